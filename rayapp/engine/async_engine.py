@@ -1,0 +1,125 @@
+"""Asyncio front of the engine: per-request streams, with the step loop on its own thread.
+
+The step loop runs off the event loop so HTTP handlers stay responsive while the model
+computes (torch releases the GIL inside its kernels). Requests and aborts cross into the
+engine thread through a queue; outputs cross back with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from rayapp.engine.llm_engine import LLMEngine
+from rayapp.engine.outputs import RequestOutput
+from rayapp.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wakeup = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="rayapp-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_options(cls, **options: Any) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_options(**options))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        cache_salt: str = "",
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until it finishes.
+
+        Bad input raises ValueError before anything is queued. Leaving the iterator early (the
+        client went away, the task was cancelled) aborts the request and frees its pages.
+        """
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        # Validation and tokenization happen here, on the caller's thread, so errors reach the caller.
+        request = self.engine.prepare_request(request_id, prompt, params, prompt_token_ids, cache_salt)
+        out_queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
+        self._submit(lambda: self.engine.enqueue(request))
+        finished = False
+        try:
+            while not finished:
+                item = await out_queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its pages are freed. Its stream ends with finish_reason 'abort'."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def command() -> None:
+            try:
+                self._deliver(self.engine.abort_request(request_id))
+            finally:
+                done.set_result(None)
+
+        self._submit(command)
+        await asyncio.wrap_future(done)
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Stop the step loop; requests still running get an error."""
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join()
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _deliver(self, output: RequestOutput | None) -> None:
+        stream = self._streams.get(output.request_id) if output is not None else None
+        if stream is not None:
+            loop, out_queue = stream
+            loop.call_soon_threadsafe(out_queue.put_nowait, output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, (loop, out_queue) in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            loop.call_soon_threadsafe(out_queue.put_nowait, error)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            while not self._commands.empty():
+                self._commands.get()()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                for output in self.engine.step():
+                    self._deliver(output)
+            except Exception as error:  # an engine bug: fail loudly, but keep serving new requests
+                logger.exception("engine step failed; failing every running request")
+                self._fail_all(RuntimeError(f"engine step failed: {error}"))
+        self._fail_all(RuntimeError("engine shut down"))

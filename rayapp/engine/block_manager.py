@@ -1,0 +1,399 @@
+"""Page accounting for one replica's KV cache: ref counts, prefix caching, lazy LRU eviction.
+
+The BlockManager hands out page ids (0..num_pages-1); it never touches tensors, the ModelRunner
+owns the KV pools. Every change to the set of cached blocks is reported as a `KVEvent`.
+
+Invariants (checked by `check_invariants`):
+- a page is in the free list iff its ref count is 0;
+- a page holds a block hash iff `_cached[hash]` is that page (at most one page per hash);
+- only pages full of computed tokens hold a hash, and they keep it after being freed (lazy
+  eviction) until the free list hands them out again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from rayapp.engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent, hash_blocks
+from rayapp.engine.kv_events import hash_block as hash_block  # re-exported: defined with the events
+from rayapp.engine.sequence import BlockHash, Sequence
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Cached pages holding a sequence's first `num_tokens` tokens (whole blocks), in order.
+
+    Pass it straight to `allocate`: until then the pages are unreferenced and may be evicted.
+    """
+
+    page_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
+class PageCopy(NamedTuple):
+    """The engine must copy the KV of `src_page` into `dst_page` (all layers)."""
+
+    src_page: int
+    dst_page: int
+
+
+@dataclass(frozen=True)
+class ForkResult:
+    """`ok` is False when no page was free for the child's partial last block (nothing changed)."""
+
+    ok: bool
+    copies: tuple[PageCopy, ...] = ()
+
+
+class PageInfo(NamedTuple):
+    """Read-only view of one page, for tests and debugging."""
+
+    ref_count: int
+    block_hash: BlockHash | None
+    token_ids: tuple[int, ...] | None
+
+
+@dataclass(eq=False, slots=True)
+class _Page:
+    """One page's bookkeeping; the free-list links live here so removal from the middle is O(1)."""
+
+    page_id: int
+    ref_count: int = 0
+    # The three below are set only while the page is the cache entry of a full block.
+    block_hash: BlockHash | None = None
+    parent_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None
+    prev_free: _Page | None = field(default=None, repr=False)
+    next_free: _Page | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked LRU list of free pages: O(1) popleft, append and remove.
+
+    Sentinel head and tail nodes mean no operation has to special-case an end of the list.
+    """
+
+    def __init__(self, pages: list[_Page]) -> None:
+        self._head, self._tail = _Page(-1), _Page(-1)  # sentinels, never handed out
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for page in pages:
+            self.append(page)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[_Page]:
+        page = self._head.next_free
+        while page is not None and page is not self._tail:
+            yield page
+            page = page.next_free
+
+    def popleft(self) -> _Page:
+        """Remove and return the least recently freed page."""
+        page = self._head.next_free
+        if page is None or page is self._tail:
+            raise IndexError("popleft from an empty FreeBlockQueue")
+        self.remove(page)
+        return page
+
+    def append(self, page: _Page) -> None:
+        """Add `page` as the most recently freed page."""
+        if page.prev_free is not None or page.next_free is not None:
+            raise RuntimeError(f"page {page.page_id} is already in the free list")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = page
+        page.prev_free = last
+        page.next_free = self._tail
+        self._tail.prev_free = page
+        self._len += 1
+
+    def remove(self, page: _Page) -> None:
+        """Take `page` out of the list, wherever it is."""
+        prev, nxt = page.prev_free, page.next_free
+        if prev is None or nxt is None:
+            raise RuntimeError(f"page {page.page_id} is not in the free list")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        page.prev_free = page.next_free = None
+        self._len -= 1
+
+
+class BlockManager:
+    """Hands out KV pages to sequences, shares full blocks between them, caches freed ones.
+
+    Contract with the engine: every sequence that got pages is eventually passed to `free`;
+    `seq.token_ids` only grows (hashes of its full blocks are kept in `seq.block_hashes`); the
+    engine advances `seq.num_computed_tokens` and then calls `cache_full_blocks`.
+    """
+
+    def __init__(self, num_pages: int, block_size: int, model_id: str, enable_prefix_caching: bool = True) -> None:
+        if num_pages < 1 or block_size < 1:
+            raise ValueError(f"num_pages={num_pages} and block_size={block_size} must both be >= 1")
+        # Read-only after construction.
+        self.num_pages = num_pages
+        self.block_size = block_size
+        self.model_id = model_id
+        self.enable_prefix_caching = enable_prefix_caching
+        self._pages = [_Page(i) for i in range(num_pages)]
+        self._free = FreeBlockQueue(self._pages)
+        self._cached: dict[BlockHash, _Page] = {}
+        # Free pages that still hold a hash, kept as a counter so `num_cached_pages` is O(1).
+        self._num_cached_free = 0
+        # seq_id -> leading blocks of its table that `cache_full_blocks` has already handled, so
+        # a decode step looks only at new blocks instead of rescanning the whole table.
+        self._num_handled_blocks: dict[str, int] = {}
+        self._events: list[KVEvent] = []
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages no sequence references, cached (revivable) ones included."""
+        return len(self._free)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Free pages that still hold a cached block and can be revived by a prefix match."""
+        return self._num_cached_free
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages referenced by at least one sequence."""
+        return self.num_pages - len(self._free)
+
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """Longest run of cached pages holding `seq`'s leading full blocks; changes no page.
+
+        At most `seq.num_tokens - 1` tokens match: the last one must be computed to get logits. A hit
+        requires the stored token ids and parent hash to equal the sequence's, so a colliding hash
+        alone never serves another block's KV. Empty when prefix caching is off or `seq` holds pages.
+        Fills `seq.block_hashes` for the prompt's full blocks."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return PrefixMatch()
+        hashes = self._hash_full_blocks(seq)
+        page_ids: list[int] = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            page = self._cached.get(hashes[i])
+            if page is None or not self._holds_block(page, seq, i):
+                break
+            page_ids.append(page.page_id)
+        return PrefixMatch(tuple(page_ids), len(page_ids) * self.block_size)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every block of `seq` now full of computed tokens and not yet cached.
+
+        When another page already caches the same block (e.g. a recomputed last block), that
+        entry is kept and this page stays uncached. Emits one `BlockStored` per chained run.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        if num_full > len(seq.block_table):
+            raise RuntimeError(f"sequence {seq.seq_id} computed tokens past its pages: allocate before computing")
+        start = self._num_handled_blocks.get(seq.seq_id, 0)
+        hashes = self._hash_full_blocks(seq)
+        run: list[int] = []  # consecutive block indices stored by this call, sent as one event
+        for i in range(start, num_full):
+            page = self._pages[seq.block_table[i]]
+            if page.block_hash is not None or hashes[i] in self._cached:
+                self._emit_stored(seq, run)
+                run = []
+                continue
+            page.block_hash = hashes[i]
+            page.parent_hash = hashes[i - 1] if i else None
+            page.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self._cached[hashes[i]] = page
+            run.append(i)
+        self._emit_stored(seq, run)
+        self._num_handled_blocks[seq.seq_id] = num_full
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; False (and nothing dropped) while any page is referenced."""
+        if self.num_used_pages:
+            return False
+        for page in self._cached.values():
+            page.block_hash = page.parent_hash = page.token_ids = None
+        self._cached.clear()
+        self._num_cached_free = 0
+        self._events.append(AllCleared())
+        return True
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+        """Grow `seq.block_table` to cover `num_computed_tokens + num_new_tokens` tokens.
+
+        With `prefix` (fresh admission: `seq` holds no pages) the matched pages come first and
+        `seq.num_computed_tokens = seq.num_cached_tokens = prefix.num_tokens`. All or nothing:
+        returns False and changes nothing when too few pages are free (pages this call revives
+        from the prefix do not count as free). Reusing a cached free page evicts its block.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens={num_new_tokens} must be >= 0")
+        if prefix is None:
+            num_computed, num_have, num_reviving = seq.num_computed_tokens, len(seq.block_table), 0
+        else:
+            self._check_prefix(seq, prefix)
+            num_computed, num_have = prefix.num_tokens, len(prefix.page_ids)
+            num_reviving = sum(1 for pid in prefix.page_ids if self._pages[pid].ref_count == 0)
+        num_needed = max(0, -(-(num_computed + num_new_tokens) // self.block_size) - num_have)
+        if num_needed > len(self._free) - num_reviving:
+            return False
+        if prefix is not None:
+            for pid in prefix.page_ids:
+                self._take_ref(self._pages[pid])
+            seq.block_table = list(prefix.page_ids)
+            seq.num_computed_tokens = seq.num_cached_tokens = prefix.num_tokens
+            self._num_handled_blocks[seq.seq_id] = len(prefix.page_ids)
+        seq.block_table.extend(self._pop_free_pages(num_needed))
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> ForkResult:
+        """Give `child` (no pages yet, same computed tokens and salt) `parent`'s KV and computed count.
+
+        Full blocks are shared (ref +1); a partial last block gets a fresh page, returned as a
+        `PageCopy` the engine must perform before either sequence writes to it.
+        """
+        n = parent.num_computed_tokens
+        num_full, partial = divmod(n, self.block_size)
+        if child.block_table:
+            raise RuntimeError(f"fork target {child.seq_id} already holds pages")
+        if child.cache_salt != parent.cache_salt or child.token_ids[:n] != parent.token_ids[:n]:
+            raise ValueError(f"fork child {child.seq_id} needs the parent's cache salt and first {n} tokens")
+        if partial and not self._free:
+            return ForkResult(ok=False)
+        shared = parent.block_table[:num_full]
+        for pid in shared:
+            self._take_ref(self._pages[pid])
+        child.block_table = list(shared)
+        copies: tuple[PageCopy, ...] = ()
+        if partial:
+            (dst,) = self._pop_free_pages(1)
+            child.block_table.append(dst)
+            copies = (PageCopy(parent.block_table[num_full], dst),)
+        child.num_computed_tokens = n
+        if len(child.block_hashes) < num_full:
+            child.block_hashes = list(parent.block_hashes[:num_full])
+        self._num_handled_blocks[child.seq_id] = min(self._num_handled_blocks.get(parent.seq_id, 0), num_full)
+        return ForkResult(ok=True, copies=copies)
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s pages, last block first, and empty its block table.
+
+        Pages reaching ref 0 join the free list's tail, keeping their cached block: a sequence's
+        tail blocks thus sit before its head blocks and are evicted first."""
+        for pid in reversed(seq.block_table):
+            page = self._pages[pid]
+            if page.ref_count <= 0:
+                raise RuntimeError(f"page {pid} of sequence {seq.seq_id} freed more often than taken")
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                self._free.append(page)
+                if page.block_hash is not None:
+                    self._num_cached_free += 1
+        seq.block_table = []
+        self._num_handled_blocks.pop(seq.seq_id, None)
+
+    def take_events(self) -> list[KVEvent]:
+        """Events since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def snapshot(self) -> list[BlockStored]:
+        """One `BlockStored` per cached block, parents first: what an event consumer that saw a gap rebuilds from."""
+        ordered: list[BlockStored] = []
+        seen: set[BlockHash] = set()
+        for block_hash in self._cached:
+            chain: list[BlockHash] = []
+            h: BlockHash | None = block_hash
+            while h is not None and h in self._cached and h not in seen:  # up to an emitted or uncached parent
+                seen.add(h)
+                chain.append(h)
+                h = self._cached[h].parent_hash
+            for h in reversed(chain):
+                page = self._cached[h]
+                ordered.append(BlockStored((h,), page.parent_hash, page.token_ids or (), self.block_size))
+        return ordered
+
+    def page_info(self, page_id: int) -> PageInfo:
+        """Ref count and cached block (if any) of page `page_id`."""
+        page = self._pages[page_id]
+        return PageInfo(page.ref_count, page.block_hash, page.token_ids)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the internal bookkeeping is inconsistent. O(num_pages)."""
+        free_ids = [page.page_id for page in self._free]
+        unreferenced = [p.page_id for p in self._pages if p.ref_count == 0]
+        hashed = [p for p in self._pages if p.block_hash is not None]
+        checks = {
+            "a ref count is negative": all(p.ref_count >= 0 for p in self._pages),
+            "free list length differs from its counter": len(free_ids) == len(self._free),
+            "free list differs from the unreferenced pages": sorted(free_ids) == unreferenced,
+            "a page holds a hash that is not its cache entry": len(hashed) == len(self._cached),
+            "a cache entry points at the wrong page": all(self._cached.get(p.block_hash) is p for p in hashed),
+            "a cached page is not a full block": all(len(p.token_ids or ()) == self.block_size for p in hashed),
+            "cached free page counter is off": sum(p.ref_count == 0 for p in hashed) == self._num_cached_free,
+        }
+        for message, ok in checks.items():
+            if not ok:
+                raise AssertionError(message)
+
+    def _hash_full_blocks(self, seq: Sequence) -> list[BlockHash]:
+        """Extend `seq.block_hashes` to every full block of its tokens (token ids only grow)."""
+        bs, hashes = self.block_size, seq.block_hashes
+        start, end = len(hashes) * bs, seq.num_tokens // bs * bs  # tokens hashed so far, in full blocks
+        if start < end:
+            keys = (self.model_id, seq.cache_salt)
+            hashes.extend(hash_blocks(seq.token_ids[start:end], bs, keys, hashes[-1] if hashes else None))
+        return hashes
+
+    def _holds_block(self, page: _Page, seq: Sequence, i: int) -> bool:
+        bs = self.block_size
+        parent = seq.block_hashes[i - 1] if i else None
+        return page.parent_hash == parent and page.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs])
+
+    def _check_prefix(self, seq: Sequence, prefix: PrefixMatch) -> None:
+        # A stale match (pages reused since `match_prefix`) is a scheduler bug: fail loudly rather
+        # than hand the sequence someone else's KV.
+        if seq.block_table:
+            raise RuntimeError(f"allocate with a prefix is for admission, but {seq.seq_id} already holds pages")
+        stale = prefix.num_tokens != len(prefix.page_ids) * self.block_size or any(
+            i >= len(seq.block_hashes) or self._pages[pid].block_hash != seq.block_hashes[i]
+            for i, pid in enumerate(prefix.page_ids)
+        )
+        if stale:
+            raise RuntimeError(f"stale PrefixMatch for {seq.seq_id}: call match_prefix right before allocate")
+
+    def _take_ref(self, page: _Page) -> None:
+        if page.ref_count == 0:  # revive: a free (possibly cached) page goes back in use
+            self._free.remove(page)
+            if page.block_hash is not None:
+                self._num_cached_free -= 1
+        page.ref_count += 1
+
+    def _pop_free_pages(self, n: int) -> list[int]:
+        """Take `n` LRU free pages (caller checked there are enough); evict their cached blocks."""
+        page_ids: list[int] = []
+        evicted: list[BlockHash] = []
+        for _ in range(n):
+            page = self._free.popleft()
+            if page.block_hash is not None:
+                evicted.append(page.block_hash)
+                del self._cached[page.block_hash]
+                page.block_hash = page.parent_hash = page.token_ids = None
+                self._num_cached_free -= 1
+            page.ref_count = 1
+            page_ids.append(page.page_id)
+        if evicted:
+            self._events.append(BlockRemoved(tuple(evicted)))
+        return page_ids
+
+    def _emit_stored(self, seq: Sequence, run: list[int]) -> None:
+        if not run:
+            return
+        bs, hashes = self.block_size, seq.block_hashes
+        parent = hashes[run[0] - 1] if run[0] else None
+        tokens = tuple(seq.token_ids[run[0] * bs : (run[-1] + 1) * bs])
+        self._events.append(BlockStored(tuple(hashes[i] for i in run), parent, tokens, bs))

@@ -1,0 +1,147 @@
+"""Token ids to streamed text: multi-byte UTF-8 safe, with stop strings (vLLM / TGI offsets technique).
+
+Each step decodes only a short window: the tokens from `prefix_offset` on. The text the window's
+first part (`prefix_offset:read_offset`) already produced is known, so the new text is the diff.
+Decoding a window rather than the single new token keeps merges that depend on the neighbour
+(leading spaces, bytes of one character split over several tokens) right.
+
+Both offsets advance only when the new text is complete: while it ends in U+FFFD, the last
+character is still missing bytes and the window simply grows until they arrive.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+# Prompt tokens decoded before the first output token, as in vLLM: enough context for the
+# tokenizer to decide the first output token's leading space.
+_PROMPT_CONTEXT = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """One request's output text, built token by token.
+
+    Invariants: `text` is all complete output text so far (cut right before a matched stop
+    string); the deltas returned so far are a prefix of `text`, and they plus `flush()` are all
+    of it. `text == tokenizer.decode(output_ids, skip_special_tokens=...)`, cut at the stop string,
+    with two documented exceptions:
+    - a generation that ends in the middle of a character (say `max_tokens` hit between the bytes
+      of one emoji) drops those bytes instead of showing U+FFFD for them;
+    - tokenizers that strip the first token's leading space on a bare decode (SentencePiece
+      "legacy" mode) keep it here, because the prompt context says it belongs there.
+    Tokenizers with `clean_up_tokenization_spaces=True` can also differ, since cleanup looks across
+    window edges; byte-level BPE models (Llama 3, Qwen2, SmolLM2) have it off. A prompt that itself
+    ends mid-character is not supported (its tail decodes to U+FFFD and the diff goes wrong).
+
+    Stop strings are checked as text arrives: generation ends at the first token whose text
+    completes one; if several complete on that token, the one starting earliest wins (then the
+    first listed). Invalid bytes at the end of the text are held like an incomplete character
+    until a token with complete text arrives, so a model emitting garbage bytes grows the window.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = tuple(stop)
+        self.stop_matched: str | None = None
+        # Only the window is kept: ids before prefix_offset are never decoded again.
+        self._window: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self._read = len(self._window)  # window index of read_offset; prefix_offset is always 0
+        self._prefix_text = self._decode(self._window)
+        # text == "".join(self._emitted) + self._pending; _pending is held back (a possible stop start).
+        self._emitted: list[str] = []
+        self._pending = ""
+        # The last max_stop - 1 chars of text: a new stop match must start inside them or later.
+        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._tail = ""
+        self._finished = False
+
+    @property
+    def text(self) -> str:
+        """All output text so far (after a stop string matched: cut right before it).
+
+        Joined on access (O(length)); stream with the returned deltas rather than reading this per step.
+        """
+        if len(self._emitted) > 1:
+            self._emitted = ["".join(self._emitted)]
+        return (self._emitted[0] if self._emitted else "") + self._pending
+
+    def add_token(self, token_id: int) -> str:
+        """Feed one generated token; return the new text that is safe to show now.
+
+        Returns '' while a multi-byte character is incomplete or the text's end might still be the
+        start of a stop string. Calling it after a stop string matched or after `flush()` is a bug
+        in the caller and raises.
+        """
+        if self._finished or self.stop_matched is not None:
+            raise RuntimeError("add_token after the detokenizer finished (stop string matched or flush called)")
+        self._window.append(token_id)
+        new_text = self._decode(self._window)
+        if new_text.endswith(_REPLACEMENT) or len(new_text) <= len(self._prefix_text):
+            # An incomplete character, or a token with no text (a skipped special token).
+            return ""
+        delta = new_text[len(self._prefix_text) :]
+        # Advance: prefix_offset = read_offset, read_offset = end of the window.
+        self._window = self._window[self._read :]
+        self._read = len(self._window)
+        self._prefix_text = self._decode(self._window)
+        return self._add_text(delta, final=False)
+
+    def flush(self) -> str:
+        """At the end of generation: return all text held back, completing `text`.
+
+        A held-back partial stop string that never completed is ordinary text and is returned.
+        Bytes of a character cut off by the end of generation are dropped, not shown as U+FFFD
+        (any U+FFFD run at the very end of the held window goes, invalid bytes included).
+        """
+        if self._finished:
+            return ""
+        self._finished = True
+        held = self._decode(self._window)[len(self._prefix_text) :].rstrip(_REPLACEMENT)
+        self._window = []
+        return self._add_text(held, final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _add_text(self, delta: str, final: bool) -> str:
+        """Append complete new text, cut at a stop string, and return what is now safe to show."""
+        if self.stop_matched is not None:
+            return ""
+        pending = self._pending + delta
+        # Earlier matches would already have ended generation, so any match here is new; it must
+        # end inside `delta`, hence start at most max_stop - 1 chars before it (inside the tail).
+        window = self._tail + delta
+        hits = [(pos, i) for i, s in enumerate(self.stop) if (pos := window.find(s)) != -1]
+        if hits:
+            pos, i = min(hits)  # earliest match wins; at the same position, the first listed stop
+            self.stop_matched = self.stop[i]
+            # Emitted text never holds a stop's first chars (they were pending), and `pending` is a
+            # suffix of `window`, so the cut falls inside `pending`.
+            show = pos - (len(window) - len(pending))
+        elif final:
+            show = len(pending)
+        else:
+            self._tail = window[-(self._max_stop - 1) :] if self._max_stop > 1 else ""
+            show = len(pending) - self._partial_stop_len()
+        out, self._pending = pending[:show], ("" if hits else pending[show:])
+        if out:
+            self._emitted.append(out)
+        return out
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest end of the text that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self._tail)), best, -1):
+                if self._tail.endswith(s[:k]):
+                    best = k
+                    break
+        return best

@@ -1,0 +1,223 @@
+"""One replica's engine: requests in, a step at a time, outputs out."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from rayapp.config import EngineConfig
+from rayapp.engine.block_manager import BlockManager
+from rayapp.engine.detokenizer import IncrementalDetokenizer
+from rayapp.engine.kv_events import KVEvent
+from rayapp.engine.model_runner import ModelRunner
+from rayapp.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from rayapp.engine.sampler import make_generator
+from rayapp.engine.sampling_params import SamplingParams
+from rayapp.engine.scheduler import Scheduler
+from rayapp.engine.sequence import Sequence, SequenceStatus
+from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
+from rayapp.models.tokenizer import load_tokenizer
+
+
+@dataclass
+class Request:
+    """A validated request, ready to enter the scheduler."""
+
+    seq: Sequence
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    max_new_tokens: int
+    counted_cached: bool = False
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged, prefix-shared KV cache.
+
+    `step()` fits on a screen: schedule, run the model, append the sampled tokens, retire the
+    finished. It is not thread-safe; `AsyncLLMEngine` drives it from one thread.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_path = resolve_model(config.model.model)
+        self.spec = ModelSpec.from_dir(model_path)
+        self.model_id = config.model.model or DEFAULT_MODEL
+        limit = self.spec.max_position_embeddings
+        if config.model.max_model_len is not None and config.model.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.model.max_model_len} exceeds the model's context length {limit}")
+        self.max_model_len = config.model.max_model_len or limit
+        self.tokenizer = load_tokenizer(model_path)
+        self.runner = ModelRunner(config, model_path, self.spec)
+        self.block_manager = BlockManager(
+            self.runner.num_pages, config.cache.block_size, self.model_id, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.eos_token_ids = set(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._requests: dict[str, Request] = {}
+        self._counters = {"num_requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
+        self._num_preemptions = 0
+
+    @classmethod
+    def from_options(cls, **options: Any) -> LLMEngine:
+        return cls(EngineConfig.from_options(**options))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        cache_salt: str = "",
+    ) -> None:
+        """Queue a request; it joins the running batch at the next step boundary.
+
+        Raises ValueError, saying what to change, for an empty or too long prompt or one that
+        cannot fit in the KV pool.
+        """
+        self.enqueue(self.prepare_request(request_id, prompt, params, prompt_token_ids, cache_salt))
+
+    def enqueue(self, request: Request) -> None:
+        """Hand a prepared request to the scheduler (engine thread only)."""
+        self._requests[request.seq.seq_id] = request
+        self.scheduler.add(request.seq)
+        self._counters["num_requests"] += 1
+        self._counters["prompt_tokens"] += request.seq.num_prompt_tokens
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        cache_salt: str = "",
+) -> Request:
+        """Validate and tokenize without touching the scheduler (safe from any thread)."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = list(prompt_token_ids or [])
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.spec.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, which must also leave "
+                f"room for at least one generated token"
+            )
+        room = self.max_model_len - len(ids)
+        max_new = room if params.max_tokens is None else min(params.max_tokens, room)
+        bs = self.block_manager.block_size
+        pages = math.ceil((len(ids) + max_new - 1) / bs)
+        if pages > self.block_manager.num_pages:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({max_new}) needs {pages} KV pages but the pool has "
+                f"{self.block_manager.num_pages}; lower max_tokens or raise num_pages / kv_cache_memory_gb"
+            )
+        seq = Sequence(request_id, ids, params, cache_salt=cache_salt)
+        seq.generator = make_generator(params, self.runner.device)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        return Request(seq, prompt, detok, max_new)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its pages; returns its last output, or None if it is unknown or done."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req.seq, "abort")
+        return self._output(req, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return an output for every request that made progress."""
+        batch = self.scheduler.schedule()
+        self._num_preemptions += len(batch.preempted)
+        if not batch.seqs:
+            return []
+        tokens = self.runner.run(batch)
+        outputs = []
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            req = self._requests[seq.seq_id]
+            if not req.counted_cached:
+                req.counted_cached = True
+                self._counters["cached_prompt_tokens"] += seq.num_cached_tokens
+            if token is not None:
+                outputs.append(self._append(req, token))
+        return outputs
+
+    def _append(self, req: Request, token: int) -> RequestOutput:
+        seq = req.seq
+        seq.append_token(token)
+        self._counters["generation_tokens"] += 1
+        delta = req.detokenizer.add_token(token)
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        if token in self.eos_token_ids and not seq.params.ignore_eos:
+            reason = "stop"
+        elif token in seq.params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif req.detokenizer.stop_matched is not None:
+            reason, stop_reason = "stop", req.detokenizer.stop_matched
+        elif seq.num_output_tokens >= req.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            delta += req.detokenizer.flush()
+            self.scheduler.finish(seq, reason)
+            del self._requests[seq.seq_id]
+        return self._output(req, [token], delta, stop_reason)
+
+    def _output(
+        self, req: Request, delta_ids: list[int], delta_text: str, stop_reason: str | int | None = None
+    ) -> RequestOutput:
+        seq = req.seq
+        completion = CompletionOutput(
+            index=0,
+            text=req.detokenizer.text,
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=stop_reason,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+        )
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt=req.prompt,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[completion],
+            finished=seq.is_finished,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=RequestMetrics(seq.arrival_time, seq.first_token_time),
+        )
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """KV cache events since the last call (for the prefix router)."""
+        return self.block_manager.take_events()
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters since start and the current state of the page pool."""
+        bm = self.block_manager
+        return {
+            **self._counters,
+            "num_preemptions": self._num_preemptions,
+            "num_running": sum(1 for s in self.scheduler.running if s.status is SequenceStatus.RUNNING),
+            "num_waiting": len(self.scheduler.waiting),
+            "pages_total": bm.num_pages,
+            "pages_free": bm.num_free_pages,
+            "pages_cached": bm.num_cached_pages,
+            "pages_used": bm.num_used_pages,
+            "page_size": bm.block_size,
+        }

@@ -1,0 +1,144 @@
+"""Owns the model, the KV cache tensors and the sampler; turns a ScheduledBatch into tokens."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from rayapp.config import DTYPES, EngineConfig
+from rayapp.engine.sampler import Sampler
+from rayapp.engine.scheduler import ScheduledBatch
+from rayapp.engine.sequence import Sequence
+from rayapp.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
+from rayapp.models.llama import load_model
+from rayapp.models.loader import ModelSpec, load_state_dict
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the paged cache and what each one attends to."""
+
+    slot_mapping: Tensor  # [T] page * block_size + offset of every new token
+    num_decode_tokens: int  # the first tokens are decodes, one per sequence
+    decode_page_table: Tensor  # [Bd, max_pages]
+    decode_context_lens: Tensor  # [Bd]
+    prefill_page_table: Tensor  # [Bp, max_pages]
+    prefill_query_start_loc: Tensor  # [Bp + 1]
+    prefill_context_lens: Tensor  # [Bp]
+
+
+class PagedAttention:
+    """The model's attention callable for one step: store K/V into the pages, then attend."""
+
+    def __init__(self, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> None:
+        self.k_cache, self.v_cache, self.meta, self.scale = k_cache, v_cache, meta, scale
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D]
+        m = self.meta
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        store_kv(k, v, kc, vc, m.slot_mapping)
+        nd = m.num_decode_tokens
+        if nd == q.shape[0]:
+            return paged_decode_attention(q, kc, vc, m.decode_page_table, m.decode_context_lens, self.scale)
+        prefill = paged_prefill_attention(
+            q[nd:], kc, vc, m.prefill_page_table, m.prefill_query_start_loc, m.prefill_context_lens, self.scale
+        )
+        if nd == 0:
+            return prefill
+        decode = paged_decode_attention(q[:nd], kc, vc, m.decode_page_table, m.decode_context_lens, self.scale)
+        return torch.cat([decode, prefill])
+
+
+class ModelRunner:
+    """One device: the model weights, the KV pool, and the sampler."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, spec: ModelSpec) -> None:
+        self.config = config
+        self.spec = spec
+        self.device = torch.device(config.model.device)
+        if self.device.type == "npu":
+            import torch_npu  # noqa: F401  (registers the npu device with torch)
+        self.dtype = spec.dtype if config.model.dtype == "auto" else DTYPES[config.model.dtype]
+        self.model = load_model(spec, load_state_dict(model_path, self.dtype, str(self.device)))
+        self.block_size = config.cache.block_size
+        self.num_pages = config.cache.num_pages or self._pages_that_fit()
+        shape = (spec.num_layers, self.num_pages, self.block_size, spec.num_kv_heads, spec.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.scale = spec.head_dim**-0.5
+        self.sampler = Sampler()
+        logger.info("KV cache: %d pages of %d tokens (%s)", self.num_pages, self.block_size, self.dtype)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of K and V for one page across all layers."""
+        s = self.spec
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+
+    def _pages_that_fit(self) -> int:
+        return max(1, int(self.config.cache.kv_cache_memory_gb * 2**30) // self.page_bytes)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        """Compute the batch's tokens; return the sampled token of each sequence that reached its end
+        (None for a sequence whose prefill chunk stopped short of its last token)."""
+        input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(batch)
+        hidden = self.model(input_ids, positions, PagedAttention(self.k_cache, self.v_cache, meta, self.scale))
+        tokens: list[int | None] = [None] * len(batch.seqs)
+        if not sample_rows:
+            return tokens
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        params = [batch.seqs[i].params for i in sample_seqs]
+        generators = [batch.seqs[i].generator for i in sample_seqs]
+        for i, tok in zip(sample_seqs, self.sampler(logits, params, generators).tolist()):
+            tokens[i] = tok
+        return tokens
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[Tensor, Tensor, AttentionMetadata, list[int], list[int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[int] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            table = seq.block_table
+            for p in range(start, start + n):
+                slots.append(table[p // bs] * bs + p % bs)
+            pos.extend(range(start, start + n))
+            if start + n == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sample_seqs.append(i)
+        nd = batch.num_decodes
+        decode, prefill = batch.seqs[:nd], batch.seqs[nd:]
+        q_lens = batch.num_new_tokens[nd:]
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decode_tokens=nd,
+            decode_page_table=self._page_table(decode),
+            decode_context_lens=self._tensor([s.num_computed_tokens + 1 for s in decode]),
+            prefill_page_table=self._page_table(prefill),
+            prefill_query_start_loc=self._tensor(starts),
+            prefill_context_lens=self._tensor([s.num_computed_tokens + n for s, n in zip(prefill, q_lens)]),
+        )
+        return self._tensor(ids), self._tensor(pos), meta, sample_rows, sample_seqs
+
+    def _tensor(self, values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _page_table(self, seqs: list[Sequence]) -> Tensor:
+        width = max((len(s.block_table) for s in seqs), default=0)
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int64, device=self.device).view(len(seqs), width)

@@ -1,0 +1,49 @@
+"""Per-request sampling settings, named as in vLLM so users can switch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    `temperature == 0` is greedy. `top_k <= 0` (or -1) disables top-k. `seed` makes a sampled
+    request reproducible. `stop` strings end generation and are cut from the text;
+    `stop_token_ids` end generation like EOS does (unless `ignore_eos`, which only affects EOS).
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept a single string or any sequence from users, store an immutable tuple.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1 (None: up to max_model_len)")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature={self.temperature} must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k!r} must be -1 (disabled), 0 (disabled) or a positive integer")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must hold non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must hold non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,114 @@
+"""Continuous batching with chunked prefill and preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rayapp.config import SchedulerConfig
+from rayapp.engine.block_manager import BlockManager
+from rayapp.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: `num_new_tokens[i]` tokens of `seqs[i]`, starting at its computed count.
+
+    Sequences with one new token come first (`num_decodes` of them): the model runner sends them
+    through the decode kernel and the rest through the prefill kernel.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_decodes: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Decides, at each step boundary, which sequences compute how many tokens.
+
+    Every step spends at most `max_num_batched_tokens`: running sequences that decode are served
+    first, then running prefills (a long prompt advances one chunk per step, so it never stalls
+    decodes for more than one chunk), then waiting sequences are admitted in arrival order. When
+    pages run out, the newest running sequence is preempted: its pages are freed (they stay in
+    the prefix cache, so recomputing is mostly cache hits) and it goes back to the waiting front.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        chosen: dict[str, int] = {}
+        # Decodes first, then prefills, each in arrival order.
+        order = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget == 0:
+                break
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, n):
+                victim = next(s for s in reversed(self.running) if s.status is SequenceStatus.RUNNING)
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                budget += chosen.pop(victim.seq_id, 0)
+                if victim is seq:
+                    break
+            else:
+                chosen[seq.seq_id] = n
+                budget -= n
+        if not batch.preempted:
+            budget = self._admit(budget, chosen)
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        for seq in sorted(self.running, key=lambda s: chosen.get(s.seq_id, 0) != 1):
+            if seq.seq_id in chosen:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(chosen[seq.seq_id])
+        batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
+        return batch
+
+    def _admit(self, budget: int, chosen: dict[str, int]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.block_manager.match_prefix(seq)
+            n = min(seq.num_tokens - prefix.num_tokens, budget)
+            if not self.block_manager.allocate(seq, n, prefix):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen[seq.seq_id] = n
+            budget -= n
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (done, stopped or aborted) and release its pages."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,77 @@
+"""One request's tokens and progress through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import NewType
+
+import torch
+
+from rayapp.engine.sampling_params import SamplingParams
+
+BlockHash = NewType("BlockHash", int)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A prompt plus the tokens generated so far.
+
+    Invariants: `num_computed_tokens <= num_tokens`; the first `num_computed_tokens` tokens have
+    their K/V in the pages of `block_table` (in token order); `block_table` is append-only while
+    the sequence runs and emptied only when the sequence is freed or preempted.
+    """
+
+    def __init__(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        arrival_time: float | None = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        # Salts the block hashes: sequences with different salts (tenants) never share pages.
+        self.cache_salt = cache_salt
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache at the latest admission.
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        # Hashes of this sequence's full blocks, in order; filled by the BlockManager.
+        self.block_hashes: list[BlockHash] = []
+        self.finish_reason: str | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.num_preemptions = 0
+        # Set by the engine for seeded sampling: the sequence's own random stream.
+        self.generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()

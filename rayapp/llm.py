@@ -1,0 +1,84 @@
+"""The offline API, shaped like vLLM's `LLM` so users can switch with an import change."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from rayapp.engine.llm_engine import LLMEngine
+from rayapp.engine.outputs import RequestOutput
+from rayapp.engine.sampling_params import SamplingParams
+from rayapp.models.tokenizer import Message, chat_token_ids
+
+
+class LLM:
+    """Run a model in this process: `LLM().generate(["Hello"], SamplingParams(max_tokens=32))`.
+
+    `model=None` is the shipped SmolLM2-135M-Instruct; any other value is a Hugging Face
+    safetensors directory of the Llama / Qwen2 family. Further keyword options are engine
+    settings (`block_size`, `num_pages`, `kv_cache_memory_gb`, `enable_prefix_caching`,
+    `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`).
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu", **options: Any) -> None:
+        self.engine = LLMEngine.from_options(model=model, dtype=dtype, device=device, **options)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Seq[str] | None = None,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompt_token_ids: Seq[int] | Seq[Seq[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (text or token ids); outputs come back in input order."""
+        if prompts is not None and prompt_token_ids is not None:
+            raise ValueError("give prompts or prompt_token_ids, not both")
+        if prompts is not None:
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            return self._run([{"prompt": p} for p in texts], sampling_params)
+        if prompt_token_ids is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        ids = list(prompt_token_ids)
+        batch = [ids] if ids and isinstance(ids[0], int) else ids
+        return self._run([{"prompt_token_ids": list(p)} for p in batch], sampling_params)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation or a list of them, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        return self._run([{"prompt_token_ids": chat_token_ids(tok, c)} for c in conversations], sampling_params)
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start (prompt, cached prompt and generated tokens) and the page pool now."""
+        return self.engine.stats()
+
+    def _run(self, inputs: list[dict[str, Any]], sampling_params: Any) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(inputs)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(inputs):
+                raise ValueError(f"got {len(params)} sampling_params for {len(inputs)} prompts")
+        # Validate everything before queueing anything, so a bad prompt leaves no work behind.
+        requests = [
+            self.engine.prepare_request(f"offline-{next(self._ids)}", params=p, **x) for x, p in zip(inputs, params)
+        ]
+        for request in requests:
+            self.engine.enqueue(request)
+        order = {r.seq.seq_id: i for i, r in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[order[out.request_id]] = out
+        return [r for r in results if r is not None]
