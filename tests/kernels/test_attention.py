@@ -104,7 +104,7 @@ def test_store_kv_puts_each_token_at_its_page_and_offset():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(3, 3), (6, 2)])
 def test_decode_matches_reference_with_shuffled_pages(dtype, num_heads, num_kv_heads):
-    # Lengths straddle page boundaries: exactly one page, one token into a page, one short.
+    # With 4-token pages: a lone token, one full page, one token into a page, one short of a page.
     batch = make_paged_batch([1, 4, 5, 23, 40], num_kv_heads, dtype)
     q = random_queries(5, num_heads, dtype)
     args = (q, batch.k_cache, batch.v_cache, batch.page_table, batch.context_lens, D**-0.5)
@@ -115,11 +115,15 @@ def test_decode_matches_reference_with_shuffled_pages(dtype, num_heads, num_kv_h
     torch.testing.assert_close(out, ref_paged_decode_attention(*args), **TOL[dtype])
 
 
-def test_decode_accepts_an_int32_page_table():
+def test_both_kernels_accept_an_int32_page_table():
     batch = make_paged_batch([7, 18], 1, table_dtype=torch.int32)
+    cache = (batch.k_cache, batch.v_cache, batch.page_table)
     q = random_queries(2, 3, torch.float32)
-    args = (q, batch.k_cache, batch.v_cache, batch.page_table, batch.context_lens, D**-0.5)
-    torch.testing.assert_close(paged_decode_attention(*args), ref_paged_decode_attention(*args))
+    decode_args = (q, *cache, batch.context_lens, D**-0.5)
+    torch.testing.assert_close(paged_decode_attention(*decode_args), ref_paged_decode_attention(*decode_args))
+    chunk = random_queries(7, 3, torch.float32)
+    prefill_args = (chunk, *cache, cu_seqlens([3, 4]), batch.context_lens, D**-0.5)
+    torch.testing.assert_close(paged_prefill_attention(*prefill_args), ref_paged_prefill_attention(*prefill_args))
 
 
 def test_decode_of_the_last_token_equals_causal_attention_over_the_whole_sequence():
@@ -161,8 +165,8 @@ def test_prefill_after_a_cached_prefix_matches_reference(dtype, num_heads, num_k
 
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_prefill_split_into_row_chunks_matches_reference(monkeypatch, return_lse):
-    # Tiny chunks put chunk edges inside prefixes, pages and short sequences.
-    monkeypatch.setattr(attention, "_MAX_ROWS_PER_CHUNK", 3)
+    # 3-row chunks put chunk edges inside prefixes, pages and short sequences.
+    monkeypatch.setattr(attention, "_rows_per_chunk", lambda num_heads, keys, preferred: 3)
     q_lens, context_lens = [10, 2, 7], [10, 19, 30]
     batch = make_paged_batch(context_lens, 2)
     q = random_queries(sum(q_lens), 6, torch.float32)
