@@ -1,9 +1,26 @@
-"""rayapp: LLM serving for long, multi-turn chat."""
+"""rayapp: LLM serving for long, multi-turn chat.
 
-from rayapp.engine.async_engine import AsyncLLMEngine
-from rayapp.engine.llm_engine import LLMEngine
-from rayapp.engine.outputs import CompletionOutput, RequestOutput
-from rayapp.engine.sampling_params import SamplingParams
-from rayapp.llm import LLM
+The public names load lazily, so a light import (`rayapp.engine.kv_events` in a router) does
+not pull in torch and transformers.
+"""
 
-__all__ = ["LLM", "AsyncLLMEngine", "CompletionOutput", "LLMEngine", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "rayapp.llm",
+    "AsyncLLMEngine": "rayapp.engine.async_engine",
+    "LLMEngine": "rayapp.engine.llm_engine",
+    "CompletionOutput": "rayapp.engine.outputs",
+    "RequestOutput": "rayapp.engine.outputs",
+    "SamplingParams": "rayapp.engine.sampling_params",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rayapp' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from rayapp.engine.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent, hash_blocks
+from rayapp.engine.kv_events import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent, hash_blocks
 from rayapp.engine.kv_events import hash_block as hash_block  # re-exported: defined with the events
-from rayapp.engine.sequence import BlockHash, Sequence
+from rayapp.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ import hashlib
 import struct
 from collections import abc
 from dataclasses import dataclass
+from typing import NewType
 
-from rayapp.engine.sequence import BlockHash
+BlockHash = NewType("BlockHash", int)
 
 DEVICE_TIER = "device"
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import NewType
+from typing import TYPE_CHECKING
 
-import torch
-
+from rayapp.engine.kv_events import BlockHash
 from rayapp.engine.sampling_params import SamplingParams
 
-BlockHash = NewType("BlockHash", int)
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(enum.Enum):

@@ -41,7 +41,7 @@ def _conversations() -> list[list[dict[str, str]]]:
     convs = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]]
     convs += [[{"role": "user", "content": q}] for q in QUESTIONS]
     # Long prompts, 300 to ~2,000 tokens; several share their start, so prefix caching has work to do.
-    for repeats in (10, 25, 45, 60, 75):
+    for repeats in (8, 16, 28, 40, 50):
         convs.append([{"role": "user", "content": FILLER * repeats + "\nWhat did the miller keep?"}])
     convs.append([{"role": "user", "content": "Über Flüsse: " + FILLER * 30 + " Wie heißt das Rad?"}])
     convs.append(
