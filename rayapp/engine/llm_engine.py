@@ -93,7 +93,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str = "",
-) -> Request:
+    ) -> Request:
         """Validate and tokenize without touching the scheduler (safe from any thread)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")

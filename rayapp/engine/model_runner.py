@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import accumulate, chain
 from pathlib import Path
 
 import torch
@@ -102,38 +103,37 @@ class ModelRunner:
         return tokens
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[Tensor, Tensor, AttentionMetadata, list[int], list[int]]:
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[int] = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start : start + n])
-            table = seq.block_table
-            for p in range(start, start + n):
-                slots.append(table[p // bs] * bs + p % bs)
-            pos.extend(range(start, start + n))
-            if start + n == seq.num_tokens:
-                sample_rows.append(len(ids) - 1)
-                sample_seqs.append(i)
-        nd = batch.num_decodes
-        decode, prefill = batch.seqs[:nd], batch.seqs[nd:]
-        q_lens = batch.num_new_tokens[nd:]
-        starts = [0]
-        for n in q_lens:
-            starts.append(starts[-1] + n)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decode_tokens=nd,
-            decode_page_table=self._page_table(decode),
-            decode_context_lens=self._tensor([s.num_computed_tokens + 1 for s in decode]),
-            prefill_page_table=self._page_table(prefill),
-            prefill_query_start_loc=self._tensor(starts),
-            prefill_context_lens=self._tensor([s.num_computed_tokens + n for s, n in zip(prefill, q_lens)]),
+        bs, nd = self.block_size, batch.num_decodes
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        ids = list(
+            chain.from_iterable(s.token_ids[a : a + n] for s, a, n in zip(batch.seqs, starts, batch.num_new_tokens))
         )
-        return self._tensor(ids), self._tensor(pos), meta, sample_rows, sample_seqs
+        ends = list(accumulate(batch.num_new_tokens))
+        # A sequence samples when this step computes its last token (decodes, and final prefill chunks).
+        sample_seqs = [i for i, seq in enumerate(batch.seqs) if starts[i] + batch.num_new_tokens[i] == seq.num_tokens]
+        sample_rows = [ends[i] - 1 for i in sample_seqs]
+        # positions, slots: [T]; each token's page is looked up in its sequence's row of the table.
+        num_new = self._tensor(batch.num_new_tokens)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(batch.seqs), device=self.device), num_new)
+        # Row r of sequence i (its rows start at ends[i] - n) sits at position starts[i] + r - (ends[i] - n).
+        offsets = self._tensor([a - e + n for a, e, n in zip(starts, ends, batch.num_new_tokens)])
+        positions = torch.arange(ends[-1], device=self.device) + offsets[seq_of_token]
+        tables = self._page_table(batch.seqs)
+        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        decode_width = max((len(s.block_table) for s in batch.seqs[:nd]), default=0)
+        prefill_lens = [a + n for a, n in zip(starts[nd:], batch.num_new_tokens[nd:])]
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            num_decode_tokens=nd,
+            # Decode reads every page its table names: keep its table no wider than the decodes need.
+            decode_page_table=tables[:nd, :decode_width],
+            decode_context_lens=self._tensor([a + 1 for a in starts[:nd]]),
+            prefill_page_table=tables[nd:],
+            # The decodes fill the first nd rows, one token each.
+            prefill_query_start_loc=self._tensor([0] + [e - nd for e in ends[nd:]]),
+            prefill_context_lens=self._tensor(prefill_lens),
+        )
+        return self._tensor(ids), positions, meta, sample_rows, sample_seqs
 
     def _tensor(self, values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

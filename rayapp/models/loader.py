@@ -126,9 +126,7 @@ def prepare_default_model() -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
         tied = hf_model.config.tie_word_embeddings
-        state = {
-            k: v.contiguous() for k, v in hf_model.state_dict().items() if not (tied and k == "lm_head.weight")
-        }
+        state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if not (tied and k == "lm_head.weight")}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         cfg = hf_model.config.to_dict()
         cfg.pop("quantization_config", None)

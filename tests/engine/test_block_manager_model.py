@@ -23,6 +23,7 @@ def make_seq(tokens, seq_id: str, salt: str = "") -> Sequence:
 def pool_state(bm: BlockManager) -> tuple:
     return bm.num_free_pages, bm.num_cached_pages, [bm.page_info(p) for p in range(bm.num_pages)]
 
+
 NUM_PAGES = 8
 # Prompts are cuts of these plus a short tail over a 3-token alphabet, so prefixes are often shared.
 BASES = ((1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2), (1, 2, 3, 1, 3, 3, 3, 3, 2, 2, 1, 1), (2,) * 10)
