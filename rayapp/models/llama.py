@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rayapp.kernels.linear import prepack_linears
 from rayapp.models.loader import ModelSpec
 
 
@@ -153,4 +154,5 @@ def load_model(spec: ModelSpec, state: dict[str, Tensor]) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(spec)
     model.load_hf_state_dict(state)
+    prepack_linears(model)
     return model.eval()
