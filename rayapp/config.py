@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,3 +94,55 @@ class EngineConfig:
         for key, value in options.items():
             grouped[owner[key]][key] = value
         return cls(**{name: sections[name](**kw) for name, kw in grouped.items()})
+
+
+class AppConfig(BaseModel):
+    """The Serve application's settings: `args:` of `rayapp.config.yaml` and of the KubeRay
+    RayService's `serveConfigV2`, validated by this one model so the two cannot drift."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(
+        None, description="Hugging Face safetensors directory (Llama / Qwen2); null: the shipped SmolLM2-135M-Instruct"
+    )
+    served_model_name: str | None = Field(
+        None, description="Name clients put in the request's `model` field; null: the model's directory name"
+    )
+    dtype: str = Field("auto", description="auto (the checkpoint's), float32, bfloat16 or float16")
+    device: str = Field("cpu", description="cpu, cuda or npu: each replica takes one such device")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output in tokens; null: the model's")
+    block_size: int = Field(16, ge=1, description="Tokens per KV page")
+    num_pages: int | None = Field(None, ge=1, description="KV pages per replica; null: sized from kv_cache_memory_gb")
+    kv_cache_memory_gb: float = Field(2.0, gt=0, description="KV cache memory per replica when num_pages is null")
+    enable_prefix_caching: bool = Field(True, description="Share the KV pages of common prefixes across requests")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together in one step")
+    max_num_batched_tokens: int = Field(512, ge=1, description="Tokens computed per step (the prefill chunk size)")
+    replicas: int = Field(1, ge=1, description="Number of LLMReplica deployments' replicas (one engine each)")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per replica (fractional values pack replicas)")
+    api_keys: list[str] = Field(
+        default_factory=list, description="Accepted bearer tokens; empty: no authentication. Each key is a tenant"
+    )
+    max_queued_requests: int = Field(
+        256, ge=1, description="Requests admitted at once across replicas; more get HTTP 429"
+    )
+
+    @model_validator(mode="after")
+    def _engine_settings_are_valid(self) -> AppConfig:
+        self.engine_config()
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The replica engine's settings."""
+        sections = (ModelConfig, CacheConfig, SchedulerConfig)
+        fields = {f.name for section in sections for f in dataclasses.fields(section)}
+        return EngineConfig.from_options(**{k: v for k, v in self.model_dump().items() if k in fields})
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        """Resources of one replica: its CPUs and, on an accelerator, one device."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        kind = self.device.split(":")[0]
+        if kind == "cuda":
+            options["num_gpus"] = 1
+        elif kind == "npu":
+            options["resources"] = {"NPU": 1}
+        return options

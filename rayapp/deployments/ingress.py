@@ -1,0 +1,304 @@
+"""The OpenAI-compatible HTTP front: validation, tokenization, admission, SSE streaming, metrics.
+
+Tokenization happens here, once: chat template -> token ids -> block hashes (salted by
+tenant), so the replicas do not redo it and the prefix router can route on the hashes.
+
+No `from __future__ import annotations` here: FastAPI must see the real `Request` annotation
+after Serve rewrites the route methods' signatures.
+"""
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayTaskError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from rayapp.config import AppConfig
+from rayapp.deployments.metrics import metrics_hub, render_prometheus
+from rayapp.deployments.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+from rayapp.engine.kv_events import hash_blocks
+from rayapp.engine.sampling_params import SamplingParams
+from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
+from rayapp.models.tokenizer import load_tokenizer
+
+app = FastAPI(title="rayapp")
+# Requests by (endpoint, status). Kept on the app's state: serve.ingress serves a frozen copy of
+# `app`, so a module global would not be the object the middleware and routes share.
+app.state.http_requests = Counter()
+
+
+@app.middleware("http")
+async def _count(request: Request, call_next):
+    response = await call_next(request)
+    request.app.state.http_requests[(request.url.path, str(response.status_code))] += 1
+    return response
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+@app.exception_handler(Exception)
+async def _internal_error(_: Request, error: Exception) -> JSONResponse:
+    # Not the client's fault (a replica died, a bug): say so in the same shape, never a bare 500 page.
+    body = APIError(500, f"internal error: {type(error).__name__}: {error}", type_="internal_error").body()
+    return JSONResponse(body, status_code=500)
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise APIError(400, f"the request body is not valid JSON: {error}") from None
+
+
+async def _next(stream: DeploymentResponseGenerator) -> dict[str, Any]:
+    """The next item of a replica's stream; a request the engine rejects becomes a 400."""
+    try:
+        return await stream.__anext__()
+    except RayTaskError as error:
+        if isinstance(error.cause, ValueError):
+            raise APIError(400, str(error.cause)) from None
+        raise
+
+
+def _event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _usage(last: dict[str, Any]) -> dict[str, Any]:
+    prompt, completion = last["prompt_tokens"], last["completion_tokens"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": last["cached_tokens"]},
+    }
+
+
+def _full_response(items: list[dict[str, Any]], kind: str, response_id: str, model: str) -> dict[str, Any]:
+    text, last = "".join(i["text"] for i in items), items[-1]
+    if kind == "chat.completion":
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": last["finish_reason"],
+            "logprobs": None,
+        }
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": last["finish_reason"], "logprobs": None}
+    return {
+        "id": response_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(last),
+    }
+
+
+# Defined after the helpers above: serve.ingress freezes a copy of the routes, with the module
+# globals that exist at that moment.
+@serve.ingress(app)
+class OpenAIIngress:
+    """Serve ingress body; the builder makes it a deployment."""
+
+    def __init__(self, replica: DeploymentHandle, app_config: dict[str, Any]) -> None:
+        self.config = AppConfig(**app_config)
+        path = resolve_model(self.config.model)
+        spec = ModelSpec.from_dir(path)
+        self.tokenizer = load_tokenizer(path)
+        self.vocab_size = spec.vocab_size
+        # The engine's model id: block hashes computed here must equal the replicas' own.
+        self.model_id = self.config.model or DEFAULT_MODEL
+        self.served_name = self.config.served_model_name or (
+            DEFAULT_MODEL if self.config.model is None else Path(self.config.model).name
+        )
+        self.max_model_len = self.config.max_model_len or spec.max_position_embeddings
+        self.replica = replica
+        self.inflight = 0
+        self.hub = metrics_hub(serve.get_replica_context().app_name)
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self.replica.stats.remote(), timeout=5)
+        except Exception:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        replicas = await self.hub.snapshots.remote()
+        body = render_prometheus(replicas, dict(request.app.state.http_requests), self.inflight)
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._authenticate(request)
+        card = {
+            "id": self.served_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "rayapp",
+            "max_model_len": self.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        tenant = self._authenticate(request)
+        body = parse(ChatCompletionRequest, await _json(request))
+        self._check_model(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = list(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+        return await self._serve(body, ids, tenant, "chat.completion")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        tenant = self._authenticate(request)
+        body = parse(CompletionRequest, await _json(request))
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            ids = self.tokenizer.encode(body.prompt)
+        elif all(0 <= t < self.vocab_size for t in body.prompt):
+            ids = list(body.prompt)
+        else:
+            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        return await self._serve(body, ids, tenant, "text_completion")
+
+    def _authenticate(self, request: Request) -> str:
+        """Check the API key when keys are configured; return the tenant (the key, or else `user`)."""
+        if not self.config.api_keys:
+            return ""
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or key not in self.config.api_keys:
+            raise APIError(
+                401, "missing or incorrect API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
+        return key
+
+    def _check_model(self, model: str) -> None:
+        if model != self.served_name:
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.served_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _serve(self, body: Any, ids: list[int], tenant: str, kind: str) -> Response:
+        max_tokens = body.requested_max_tokens
+        wanted = len(ids) + (max_tokens or 1)
+        if wanted > self.max_model_len:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{wanted} were requested ({len(ids)} in the prompt, {max_tokens or 1} to generate); "
+                f"shorten the prompt or lower max_tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        try:
+            sampling = body.sampling(max_tokens)
+            SamplingParams(**sampling)
+        except ValueError as error:
+            raise APIError(400, str(error)) from None
+        if self.inflight >= self.config.max_queued_requests:
+            raise APIError(
+                429,
+                f"the server is at its limit of {self.config.max_queued_requests} requests in flight; retry later",
+                type_="rate_limit_exceeded",
+                code="rate_limit_exceeded",
+            )
+        # The tenant salts the hashes: different API keys (or users, without keys) never share pages.
+        owner = tenant or body.user or ""
+        salt = hashlib.sha256(owner.encode()).hexdigest()[:16] if owner else ""
+        payload = {
+            "request_id": uuid.uuid4().hex,
+            "prompt_token_ids": ids,
+            "block_hashes": hash_blocks(ids, self.config.block_size, (self.model_id, salt)),
+            "cache_salt": salt,
+            "sampling": sampling,
+        }
+        self.inflight += 1
+        stream = self.replica.options(stream=True).generate.remote(payload)
+        try:
+            first = await _next(stream)
+        except BaseException:
+            self.inflight -= 1
+            stream.cancel()
+            raise
+        response_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{payload['request_id']}"
+        if body.stream:
+            return StreamingResponse(self._sse(stream, first, body, kind, response_id), media_type="text/event-stream")
+        try:
+            items = [first] + [item async for item in stream]
+        finally:
+            self.inflight -= 1
+        return JSONResponse(_full_response(items, kind, response_id, self.served_name))
+
+    async def _sse(
+        self, stream: DeploymentResponseGenerator, first: dict[str, Any], body: Any, kind: str, response_id: str
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        chat = kind == "chat.completion"
+
+        def chunk(text: str | None, finish_reason: str | None, role: bool = False) -> str:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                if text:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish_reason}
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            return _event(
+                {"id": response_id, "object": obj, "created": created, "model": self.served_name, "choices": [choice]}
+            )
+
+        finished = False
+        try:
+            if chat:
+                yield chunk(None, None, role=True)
+            item = first
+            while True:
+                if item["text"] or "finish_reason" in item:
+                    yield chunk(item["text"], item.get("finish_reason"))
+                if "finish_reason" in item:
+                    finished = True
+                    if body.include_usage:
+                        yield _event(
+                            {
+                                "id": response_id,
+                                "object": "chat.completion.chunk" if chat else kind,
+                                "created": created,
+                                "model": self.served_name,
+                                "choices": [],
+                                "usage": _usage(item),
+                            }
+                        )
+                    break
+                item = await _next(stream)
+            yield "data: [DONE]\n\n"
+        except APIError as error:
+            yield _event(error.body())
+            yield "data: [DONE]\n\n"
+        finally:
+            self.inflight -= 1
+            if not finished:
+                # The client left (or the replica failed): stop generating and free the pages.
+                stream.cancel()

@@ -1,0 +1,173 @@
+"""Metrics: each replica measures its own; the ingress renders every replica's on `/metrics`.
+
+Serve offers no way to call every replica of a deployment, so each replica pushes a snapshot
+twice a second to one `MetricsHub` actor per application, and the ingress renders the hub's
+snapshots as Prometheus text, labelled by replica. Replicas also record the same numbers
+through `ray.util.metrics`, which Ray's own metrics agent exports for a cluster Prometheus.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from ray.util import metrics as ray_metrics
+
+PUSH_PERIOD_S = 0.5
+# A replica silent for this long is gone (dead or scaled down): its numbers leave /metrics.
+STALE_AFTER_S = 10.0
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ENGINE_COUNTERS = {
+    "prompt_tokens": "Prompt tokens received",
+    "cached_prompt_tokens": "Prompt tokens served from the prefix cache instead of computed",
+    "generation_tokens": "Tokens generated",
+    "num_preemptions": "Sequences preempted (recomputed later) because KV pages ran out",
+}
+ENGINE_GAUGES = {
+    "pages_free": "KV pages no sequence holds (cached ones included)",
+    "pages_total": "KV pages in the pool",
+    "pages_cached": "Free KV pages still holding a reusable prefix block",
+    "num_running": "Sequences in the running batch",
+    "num_waiting": "Sequences queued for admission",
+}
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram in Prometheus' shape, cheap to snapshot and ship."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, value)] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        running, out = 0, []
+        for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), self.counts):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        return out
+
+
+class ReplicaMetrics:
+    """One replica's request metrics, mirrored into Ray's metrics as they are recorded."""
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self.requests: dict[str, int] = {}
+        self.ttft = Histogram()
+        self.itl = Histogram()
+        tags = {"replica": replica}
+        self._ray_requests = ray_metrics.Counter(
+            "rayapp_replica_requests", "Requests finished, by finish reason", tag_keys=("replica", "finish_reason")
+        )
+        self._ray_ttft = ray_metrics.Histogram(
+            "rayapp_time_to_first_token_seconds", "Time to first token", list(LATENCY_BUCKETS_S), ("replica",)
+        )
+        self._ray_itl = ray_metrics.Histogram(
+            "rayapp_inter_token_latency_seconds", "Time between tokens", list(LATENCY_BUCKETS_S), ("replica",)
+        )
+        self._ray_engine = {
+            name: ray_metrics.Gauge(f"rayapp_{name}", text, tag_keys=("replica",))
+            for name, text in {**ENGINE_COUNTERS, **ENGINE_GAUGES}.items()
+        }
+        for metric in (self._ray_ttft, self._ray_itl, *self._ray_engine.values()):
+            metric.set_default_tags(tags)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self._ray_ttft.observe(seconds)
+
+    def next_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self._ray_itl.observe(seconds)
+
+    def finished(self, reason: str) -> None:
+        self.requests[reason] = self.requests.get(reason, 0) + 1
+        self._ray_requests.inc(tags={"replica": self.replica, "finish_reason": reason})
+
+    def snapshot(self, engine_stats: dict[str, int]) -> dict[str, Any]:
+        for name, gauge in self._ray_engine.items():
+            gauge.set(engine_stats[name])
+        return {
+            "engine": {k: engine_stats[k] for k in (*ENGINE_COUNTERS, *ENGINE_GAUGES)},
+            "requests": dict(self.requests),
+            "ttft": (list(self.ttft.counts), self.ttft.total),
+            "itl": (list(self.itl.counts), self.itl.total),
+        }
+
+
+@ray.remote(num_cpus=0)
+class MetricsHub:
+    """Latest snapshot of every replica of one application."""
+
+    def __init__(self) -> None:
+        self._snapshots: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def push(self, replica: str, snapshot: dict[str, Any]) -> None:
+        self._snapshots[replica] = (time.monotonic(), snapshot)
+
+    def remove(self, replica: str) -> None:
+        self._snapshots.pop(replica, None)
+
+    def snapshots(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        self._snapshots = {r: (t, s) for r, (t, s) in self._snapshots.items() if now - t < STALE_AFTER_S}
+        return {r: s for r, (_, s) in self._snapshots.items()}
+
+
+def metrics_hub(app_name: str) -> ray.actor.ActorHandle:
+    """The application's hub, created by whichever replica or ingress asks first."""
+    return MetricsHub.options(
+        name=f"rayapp-metrics-{app_name}", namespace="rayapp", get_if_exists=True, lifetime="detached"
+    ).remote()
+
+
+class _Collector:
+    def __init__(self, replicas: dict[str, dict[str, Any]], http: dict[tuple[str, str], int], inflight: int) -> None:
+        self.replicas, self.http, self.inflight = replicas, http, inflight
+
+    def collect(self):
+        http = CounterMetricFamily(
+            "rayapp_http_requests", "HTTP requests by endpoint and status", labels=["endpoint", "status"]
+        )
+        for (endpoint, status), n in sorted(self.http.items()):
+            http.add_metric([endpoint, status], n)
+        yield http
+        yield GaugeMetricFamily("rayapp_ingress_inflight_requests", "Requests admitted and not finished", self.inflight)
+        requests = CounterMetricFamily(
+            "rayapp_requests", "Requests finished by a replica, by finish reason", labels=["replica", "finish_reason"]
+        )
+        families = {
+            **{n: CounterMetricFamily(f"rayapp_{n}", t, labels=["replica"]) for n, t in ENGINE_COUNTERS.items()},
+            **{n: GaugeMetricFamily(f"rayapp_{n}", t, labels=["replica"]) for n, t in ENGINE_GAUGES.items()},
+        }
+        ttft = HistogramMetricFamily("rayapp_time_to_first_token_seconds", "Time to first token", labels=["replica"])
+        itl = HistogramMetricFamily("rayapp_inter_token_latency_seconds", "Time between tokens", labels=["replica"])
+        for replica, snap in sorted(self.replicas.items()):
+            for name, family in families.items():
+                family.add_metric([replica], snap["engine"][name])
+            for reason, n in sorted(snap["requests"].items()):
+                requests.add_metric([replica, reason], n)
+            for family, (counts, total) in ((ttft, snap["ttft"]), (itl, snap["itl"])):
+                family.add_metric([replica], Histogram(counts, total).buckets(), total)
+        yield requests
+        yield from families.values()
+        yield ttft
+        yield itl
+
+
+def render_prometheus(
+    replicas: dict[str, dict[str, Any]], http_requests: dict[tuple[str, str], int], inflight: int
+) -> bytes:
+    """Prometheus text exposition of the ingress' counters and every replica's snapshot."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(replicas, http_requests, inflight))
+    return generate_latest(registry)

@@ -1,0 +1,231 @@
+"""The real Serve app on this machine, spoken to by the official `openai` client and raw HTTP.
+
+One application for the whole module (started with `serve.run` of the same builder that
+`rayapp.config.yaml` names), with an API key configured so authentication is exercised too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from rayapp import LLM, SamplingParams
+from rayapp.config import AppConfig
+from rayapp.deployments.builder import build
+
+KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+CONFIG = AppConfig(dtype="float32", api_keys=[KEY], max_queued_requests=40, kv_cache_memory_gb=0.5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build(CONFIG), name="rayapp", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(dtype="float32", kv_cache_memory_gb=0.5)
+
+
+def _metric(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/metrics").text
+    values = [float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def _post(base_url: str, body: object, key: str | None = KEY, path: str = "/v1/chat/completions") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(f"{base_url}{path}", content=content, headers=headers, timeout=120)
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and "type" in error
+    return error
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def test_health_models_and_metrics_answer(base_url, client):
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert _metric(base_url, "rayapp_pages_total") > 0
+
+
+def test_chat_answer_equals_offline_greedy_answer(client, offline):
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
+    expected = offline.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 0
+
+
+def test_streamed_chat_joins_to_the_same_answer_with_usage_last(client, offline):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=32,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    expected = offline.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text
+    assert text == expected
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the question was asked before
+
+
+def test_second_turn_reuses_the_first_turns_pages(client, offline):
+    messages = [{"role": "user", "content": "Name a large river in Europe."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "How long is it?"},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    expected = offline.chat(messages, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
+    assert second.choices[0].message.content == expected
+
+
+def test_completions_endpoint(base_url, client):
+    reply = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert reply.choices[0].text and reply.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ("{not json", 400, None),
+        ({"model": MODEL}, 400, "messages"),
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL, "messages": QUESTION, "top_p": 1.5}, 400, "top_p"),
+        ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": QUESTION, "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "messages": QUESTION, "n": 2}, 400, "n"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+        ({"model": "gpt-4", "messages": QUESTION}, 404, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors(base_url, body, status, param):
+    error = _error(_post(base_url, body), status)
+    assert error["param"] == param
+
+
+def test_context_too_long_says_the_limit(base_url):
+    long = [{"role": "user", "content": "word " * 9000}]
+    error = _error(_post(base_url, {"model": MODEL, "messages": long}), 400)
+    assert "8192" in error["message"] and error["code"] == "context_length_exceeded"
+
+
+def test_missing_or_wrong_api_key_is_401(base_url):
+    for key in (None, "wrong"):
+        assert (
+            _error(_post(base_url, {"model": MODEL, "messages": QUESTION}, key=key), 401)["code"] == "invalid_api_key"
+        )
+    assert httpx.get(f"{base_url}/v1/models").status_code == 401
+
+
+def test_32_concurrent_streams_all_complete(base_url):
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[str, str]:
+        body = {
+            "model": MODEL,
+            "temperature": 0,
+            "max_tokens": 12,
+            "stream": True,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"Count from {i} upwards."}],
+        }
+        text, finish = "", None
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["delta"].get("content", "")
+                    finish = choice["finish_reason"] or finish
+        return text, finish
+
+    async def all_of_them():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(32)))
+
+    results = asyncio.run(all_of_them())
+    assert all(text and finish == "length" for text, finish in results)
+
+
+def test_a_full_admission_queue_answers_429_and_the_server_recovers(base_url, client):
+    async def burst():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 48, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300) as http:
+            return await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(60)))
+
+    statuses = [r.status_code for r in asyncio.run(burst())]
+    assert set(statuses) == {200, 429} and statuses.count(429) >= 1
+    assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4).choices[0].message.content
+
+
+def test_client_that_disconnects_mid_stream_frees_its_pages(base_url):
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=60) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i == 6:
+                break  # leave mid-stream: the connection closes here
+    # The replica publishes its page counts twice a second; give it a bounded while.
+    deadline = time.monotonic() + 30
+    while _metric(base_url, "rayapp_pages_free") != _metric(base_url, "rayapp_pages_total"):
+        assert time.monotonic() < deadline, "pages were not freed after the client left"
+        time.sleep(0.25)
+    assert _metric(base_url, "rayapp_requests_total") > 0
+
+
+def test_metrics_cover_the_required_series(base_url):
+    text = httpx.get(f"{base_url}/metrics").text
+    for name in (
+        "rayapp_prompt_tokens_total",
+        "rayapp_cached_prompt_tokens_total",
+        "rayapp_generation_tokens_total",
+        "rayapp_pages_free",
+        "rayapp_pages_total",
+        "rayapp_num_waiting",
+        "rayapp_http_requests_total",
+        "rayapp_time_to_first_token_seconds_bucket",
+        "rayapp_inter_token_latency_seconds_bucket",
+    ):
+        assert re.search(rf"^{name}{{.*replica=|^{name}{{.*status=", text, re.M), name
+    assert _metric(base_url, "rayapp_cached_prompt_tokens_total") > 0
