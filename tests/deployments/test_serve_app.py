@@ -36,7 +36,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def base_url():
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build(CONFIG), name="rayapp", route_prefix="/")
     yield f"http://127.0.0.1:{port}"
