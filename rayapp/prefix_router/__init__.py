@@ -1,0 +1,1 @@
+"""Global prefix routing: the PrefixIndex of which replica holds which KV blocks."""
