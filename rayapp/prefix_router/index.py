@@ -133,7 +133,7 @@ class PrefixIndex:
         parent = event.parent_block_hash
         if parent is not None:
             # The parent may be unknown here (evicted from the engine or from this index): keep
-            # an unheld placeholder so the chain links up again if the parent is stored later.
+            # an unheld node for it so the chain links up again if the parent is stored later.
             self._node(parent, None)
         held = self._by_replica.setdefault(replica, set())
         for h in event.block_hashes:

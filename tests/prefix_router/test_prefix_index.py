@@ -137,7 +137,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.index.match(hashes) == expected
 
     @invariant()
-    def only_held_blocks_and_their_placeholders_are_kept(self):
+    def every_held_block_has_a_node(self):
         held = set().union(*self.held.values())
         assert self.index.replicas == {r for r, h in self.held.items() if h}
         assert held <= set(self.index._nodes)
