@@ -37,7 +37,7 @@ class LLMReplica:
         self._pusher = asyncio.get_event_loop().create_task(self._push_metrics())
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream one request: each item carries the new text and tokens; the last one the usage.
+        """Stream one request: each item carries the new text; the last one the finish reason and usage.
 
         `request`: `prompt_token_ids`, `block_hashes`, `cache_salt`, `sampling` (SamplingParams
         fields). A ValueError (bad request) propagates to the ingress, which answers 400.
@@ -61,7 +61,7 @@ class LLMReplica:
                 else:
                     self.metrics.next_token(now - last)
                 first, last = False, now
-            item = {"text": completion.delta_text, "num_tokens": len(completion.delta_token_ids)}
+            item: dict[str, Any] = {"text": completion.delta_text}
             if out.finished:
                 self.metrics.finished(completion.finish_reason)
                 item.update(
