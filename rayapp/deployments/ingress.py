@@ -58,9 +58,12 @@ async def _internal_error(_: Request, error: Exception) -> JSONResponse:
 
 async def _json(request: Request) -> Any:
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise APIError(400, f"the request body is not valid JSON: {error}") from None
+        body = json.loads(await request.body())
+        # JSON escapes can spell lone surrogates, which no tokenizer accepts: refuse them here.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (json.JSONDecodeError, UnicodeError) as error:
+        raise APIError(400, f"the request body is not valid JSON text: {error}") from None
+    return body
 
 
 async def _next(stream: DeploymentResponseGenerator) -> dict[str, Any]:

@@ -37,8 +37,8 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k={self.top_k!r} must be -1 (disabled), 0 (disabled) or a positive integer")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed={self.seed!r} must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed={self.seed!r} must be an integer in [-2**63, 2**64)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -129,6 +129,11 @@ def test_completions_endpoint(base_url, client):
     ("body", "status", "param"),
     [
         ("{not json", 400, None),
+        (
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}]}).replace('"a"', '"a\\ud800"'),
+            400,
+            None,
+        ),
         ({"model": MODEL}, 400, "messages"),
         ({"model": MODEL, "messages": []}, 400, "messages"),
         ({"model": MODEL, "messages": QUESTION, "top_p": 1.5}, 400, "top_p"),

@@ -47,6 +47,7 @@ def test_out_of_vocabulary_token_ids_are_rejected(llm):
         ({"top_p": 1.5}, "top_p"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_k": -2}, "top_k"),
+        ({"seed": 2**70}, "seed"),
     ],
 )
 def test_sampling_params_out_of_range_name_the_field(kwargs, field):
