@@ -29,7 +29,7 @@ from rayapp.deployments.protocol import APIError, ChatCompletionRequest, Complet
 from rayapp.engine.kv_events import hash_blocks
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
-from rayapp.models.tokenizer import load_tokenizer
+from rayapp.models.tokenizer import chat_token_ids, load_tokenizer
 
 app = FastAPI(title="rayapp")
 # Requests by (endpoint, status). Kept on the app's state: serve.ingress serves a frozen copy of
@@ -165,9 +165,10 @@ class OpenAIIngress:
         body = parse(ChatCompletionRequest, await _json(request))
         self._check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = list(
-            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        )
+        try:
+            ids = chat_token_ids(self.tokenizer, messages)
+        except ValueError as error:  # e.g. a model without a chat template
+            raise APIError(400, str(error), param="messages") from None
         return await self._serve(body, ids, tenant, "chat.completion")
 
     @app.post("/v1/completions")
