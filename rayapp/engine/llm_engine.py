@@ -15,7 +15,7 @@ from rayapp.engine.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from rayapp.engine.sampler import make_generator
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.engine.scheduler import Scheduler
-from rayapp.engine.sequence import Sequence, SequenceStatus
+from rayapp.engine.sequence import Sequence
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 
@@ -26,6 +26,8 @@ class Request:
 
     seq: Sequence
     prompt: str | None
+    # Kept apart from `seq.token_ids` so each step's output can share it instead of slicing a copy.
+    prompt_token_ids: list[int]
     detokenizer: IncrementalDetokenizer
     max_new_tokens: int
     counted_cached: bool = False
@@ -135,7 +137,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, cache_salt=cache_salt, block_hashes=block_hashes)
         seq.generator = make_generator(params, self.runner.device)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        return Request(seq, prompt, detok, max_new)
+        return Request(seq, prompt, ids, detok, max_new)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its pages; returns its last output, or None if it is unknown or done."""
@@ -204,7 +206,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.seq_id,
             prompt=req.prompt,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            prompt_token_ids=req.prompt_token_ids,
             outputs=[completion],
             finished=seq.is_finished,
             num_cached_tokens=seq.num_cached_tokens,
@@ -221,7 +223,7 @@ class LLMEngine:
         return {
             **self._counters,
             "num_preemptions": self._num_preemptions,
-            "num_running": sum(1 for s in self.scheduler.running if s.status is SequenceStatus.RUNNING),
+            "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "pages_total": bm.num_pages,
             "pages_free": bm.num_free_pages,

@@ -73,7 +73,7 @@ class Scheduler:
                 chosen[seq.seq_id] = n
                 budget -= n
         if not batch.preempted:
-            budget = self._admit(budget, chosen)
+            self._admit(budget, chosen)
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         for seq in sorted(self.running, key=lambda s: chosen.get(s.seq_id, 0) != 1):
             if seq.seq_id in chosen:
@@ -82,7 +82,7 @@ class Scheduler:
         batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
         return batch
 
-    def _admit(self, budget: int, chosen: dict[str, int]) -> int:
+    def _admit(self, budget: int, chosen: dict[str, int]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.block_manager.match_prefix(seq)
@@ -94,7 +94,6 @@ class Scheduler:
             self.running.append(seq)
             chosen[seq.seq_id] = n
             budget -= n
-        return budget
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
