@@ -12,6 +12,7 @@ import hashlib
 import json
 import time
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -109,6 +110,21 @@ def _full_response(items: list[dict[str, Any]], kind: str, response_id: str, mod
         "choices": [choice],
         "usage": _usage(last),
     }
+
+
+class _Admission:
+    """One admitted request's slot: released exactly once, stopping its replica stream if asked."""
+
+    def __init__(self, ingress: Any, stream: DeploymentResponseGenerator) -> None:
+        self.ingress, self.stream, self.released = ingress, stream, False
+
+    def release(self, cancel: bool) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.ingress.inflight -= 1
+        if cancel:
+            self.stream.cancel()
 
 
 # Defined after the helpers above: serve.ingress freezes a copy of the routes, with the module
@@ -240,23 +256,32 @@ class OpenAIIngress:
         }
         self.inflight += 1
         stream = self.replica.options(stream=True).generate.remote(payload)
+        admission = _Admission(self, stream)
         try:
             first = await _next(stream)
         except BaseException:
-            self.inflight -= 1
-            stream.cancel()
+            admission.release(cancel=True)
             raise
         response_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{payload['request_id']}"
         if body.stream:
-            return StreamingResponse(self._sse(stream, first, body, kind, response_id), media_type="text/event-stream")
+            sse = self._sse(stream, first, body, kind, response_id, admission)
+            # A body the server never starts sending (the client left first) never runs `_sse`'s finally.
+            weakref.finalize(sse, admission.release, True)
+            return StreamingResponse(sse, media_type="text/event-stream")
         try:
             items = [first] + [item async for item in stream]
         finally:
-            self.inflight -= 1
+            admission.release(cancel=False)
         return JSONResponse(_full_response(items, kind, response_id, self.served_name))
 
     async def _sse(
-        self, stream: DeploymentResponseGenerator, first: dict[str, Any], body: Any, kind: str, response_id: str
+        self,
+        stream: DeploymentResponseGenerator,
+        first: dict[str, Any],
+        body: Any,
+        kind: str,
+        response_id: str,
+        admission: _Admission,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         chat = kind == "chat.completion"
@@ -302,7 +327,5 @@ class OpenAIIngress:
             yield _event(error.body())
             yield "data: [DONE]\n\n"
         finally:
-            self.inflight -= 1
-            if not finished:
-                # The client left (or the replica failed): stop generating and free the pages.
-                stream.cancel()
+            # Not finished: the client left (or the replica failed); stop generating, free the pages.
+            admission.release(cancel=not finished)
