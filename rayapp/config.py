@@ -96,6 +96,44 @@ class EngineConfig:
         return cls(**{name: sections[name](**kw) for name, kw in grouped.items()})
 
 
+class RouterConfig(BaseModel):
+    """How requests are spread over replicas: `router:` in `rayapp.config.yaml`.
+
+    Routing cost of a replica, in prompt tokens: `prefill_weight * tokens it must compute
+    + loadable_weight * tokens it holds off-device + queue_weight_tokens * its ongoing requests`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_router_class: str = Field(
+        "rayapp.prefix_router:PrefixAwareRouter",
+        description="Import path of the Serve RequestRouter for the replicas. Others that work: "
+        "'ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter' (Serve's default) and "
+        "'ray.serve.llm.request_router:PrefixCacheAffinityRouter' (Ray Serve LLM's text-trie router)",
+    )
+    prefill_weight: float = Field(1.0, gt=0, description="Cost of one prompt token a replica must compute")
+    loadable_weight: float = Field(
+        0.25, ge=0, description="Cost of one prompt token a replica holds off-device (host tier), relative to recompute"
+    )
+    queue_weight_tokens: float = Field(
+        64.0, ge=0, description="Cost of one request already running or queued on a replica, in prompt tokens"
+    )
+    min_overlap_blocks: int = Field(
+        1, ge=1, description="Route by cached prefix only when some replica holds at least this many leading blocks"
+    )
+    index_timeout_s: float = Field(
+        0.05, gt=0, description="Longest a routing decision waits for the PrefixIndex before power-of-two choices"
+    )
+    index_max_blocks: int = Field(1_000_000, ge=1, description="Blocks the PrefixIndex keeps; LRU leaves drop past it")
+    event_batch_period_s: float = Field(
+        0.05, gt=0, le=1.0, description="A replica sends its KV events to the PrefixIndex at least this often"
+    )
+    event_batch_max: int = Field(512, ge=1, description="Most KV events in one batch a replica sends")
+    replica_timeout_s: float = Field(
+        10.0, gt=0, description="A replica silent this long (dead, partitioned) leaves the PrefixIndex"
+    )
+
+
 class AppConfig(BaseModel):
     """The Serve application's settings: `args:` of `rayapp.config.yaml` and of the KubeRay
     RayService's `serveConfigV2`, validated by this one model so the two cannot drift."""
@@ -125,6 +163,7 @@ class AppConfig(BaseModel):
     max_queued_requests: int = Field(
         256, ge=1, description="Requests admitted at once across replicas; more get HTTP 429"
     )
+    router: RouterConfig = Field(default_factory=RouterConfig, description="Request routing across replicas")
 
     @model_validator(mode="after")
     def _engine_settings_are_valid(self) -> AppConfig:

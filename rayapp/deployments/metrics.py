@@ -1,9 +1,10 @@
-"""Metrics: each replica measures its own; the ingress renders every replica's on `/metrics`.
+"""Metrics: each replica and each request router measures its own; the ingress renders all on `/metrics`.
 
-Serve offers no way to call every replica of a deployment, so each replica pushes a snapshot
-twice a second to one `MetricsHub` actor per application, and the ingress renders the hub's
-snapshots as Prometheus text, labelled by replica. Replicas also record the same numbers
-through `ray.util.metrics`, which Ray's own metrics agent exports for a cluster Prometheus.
+Serve offers no way to call every replica of a deployment, so each replica (and each handle's
+request router) pushes a snapshot twice a second to one `MetricsHub` actor per application, and
+the ingress renders the hub's snapshots as Prometheus text, labelled by replica. They also record
+the same numbers through `ray.util.metrics`, which Ray's own metrics agent exports for a cluster
+Prometheus.
 """
 
 from __future__ import annotations
@@ -104,23 +105,69 @@ class ReplicaMetrics:
         }
 
 
+class RouterMetrics:
+    """One request router's decisions: why each replica was chosen, and the cache hit it expected."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[str, int] = {}
+        self.predicted_cached_tokens = 0
+        self.latency = Histogram()
+        self._ray_decisions = ray_metrics.Counter(
+            "rayapp_router_decisions", "Routing decisions by reason", tag_keys=("reason",)
+        )
+        self._ray_predicted = ray_metrics.Counter(
+            "rayapp_router_predicted_cached_tokens", "Prompt tokens the router expected the chosen replica to have"
+        )
+        self._ray_latency = ray_metrics.Histogram(
+            "rayapp_router_decision_latency_seconds", "Time to choose a replica", list(LATENCY_BUCKETS_S)
+        )
+
+    def decided(self, reason: str, predicted_cached_tokens: int, seconds: float) -> None:
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        self.predicted_cached_tokens += predicted_cached_tokens
+        self.latency.observe(seconds)
+        self._ray_decisions.inc(tags={"reason": reason})
+        if predicted_cached_tokens:
+            self._ray_predicted.inc(predicted_cached_tokens)
+        self._ray_latency.observe(seconds)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "decisions": dict(self.decisions),
+            "predicted_cached_tokens": self.predicted_cached_tokens,
+            "latency": (list(self.latency.counts), self.latency.total),
+        }
+
+
 @ray.remote(num_cpus=0)
 class MetricsHub:
-    """Latest snapshot of every replica of one application."""
+    """Latest snapshot of every replica and request router of one application."""
 
     def __init__(self) -> None:
         self._snapshots: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._routers: dict[str, tuple[float, dict[str, Any]]] = {}
 
     def push(self, replica: str, snapshot: dict[str, Any]) -> None:
         self._snapshots[replica] = (time.monotonic(), snapshot)
+
+    def push_router(self, router: str, snapshot: dict[str, Any]) -> None:
+        self._routers[router] = (time.monotonic(), snapshot)
 
     def remove(self, replica: str) -> None:
         self._snapshots.pop(replica, None)
 
     def snapshots(self) -> dict[str, dict[str, Any]]:
-        now = time.monotonic()
-        self._snapshots = {r: (t, s) for r, (t, s) in self._snapshots.items() if now - t < STALE_AFTER_S}
+        self._snapshots = _fresh(self._snapshots)
         return {r: s for r, (_, s) in self._snapshots.items()}
+
+    def routers(self) -> dict[str, dict[str, Any]]:
+        self._routers = _fresh(self._routers)
+        return {r: s for r, (_, s) in self._routers.items()}
+
+
+def _fresh(snapshots: dict[str, tuple[float, dict[str, Any]]]) -> dict[str, tuple[float, dict[str, Any]]]:
+    now = time.monotonic()
+    return {k: (t, s) for k, (t, s) in snapshots.items() if now - t < STALE_AFTER_S}
 
 
 def metrics_hub(app_name: str) -> ray.actor.ActorHandle:
@@ -131,8 +178,15 @@ def metrics_hub(app_name: str) -> ray.actor.ActorHandle:
 
 
 class _Collector:
-    def __init__(self, replicas: dict[str, dict[str, Any]], http: dict[tuple[str, str], int], inflight: int) -> None:
-        self.replicas, self.http, self.inflight = replicas, http, inflight
+    def __init__(
+        self,
+        replicas: dict[str, dict[str, Any]],
+        routers: dict[str, dict[str, Any]],
+        index: dict[str, int] | None,
+        http: dict[tuple[str, str], int],
+        inflight: int,
+    ) -> None:
+        self.replicas, self.routers, self.index, self.http, self.inflight = replicas, routers, index, http, inflight
 
     def collect(self):
         http = CounterMetricFamily(
@@ -142,6 +196,10 @@ class _Collector:
             http.add_metric([endpoint, status], n)
         yield http
         yield GaugeMetricFamily("rayapp_ingress_inflight_requests", "Requests admitted and not finished", self.inflight)
+        yield from self._replica_families()
+        yield from self._router_families()
+
+    def _replica_families(self):
         requests = CounterMetricFamily(
             "rayapp_requests", "Requests finished by a replica, by finish reason", labels=["replica", "finish_reason"]
         )
@@ -163,11 +221,45 @@ class _Collector:
         yield ttft
         yield itl
 
+    def _router_families(self):
+        """Summed over the application's routers (one per deployment handle)."""
+        decisions: dict[str, int] = {}
+        latency = Histogram()
+        for snap in self.routers.values():
+            for reason, n in snap["decisions"].items():
+                decisions[reason] = decisions.get(reason, 0) + n
+            counts, total = snap["latency"]
+            latency = Histogram([a + b for a, b in zip(latency.counts, counts)], latency.total + total)
+        yield CounterMetricFamily(
+            "rayapp_router_predicted_cached_tokens",
+            "Prompt tokens the router expected the chosen replica to serve from its cache",
+            sum(s["predicted_cached_tokens"] for s in self.routers.values()),
+        )
+        by_reason = CounterMetricFamily(
+            "rayapp_router_decisions", "Routing decisions by reason (overlap, load, fallback)", labels=["reason"]
+        )
+        for reason, n in sorted(decisions.items()):
+            by_reason.add_metric([reason], n)
+        yield by_reason
+        yield HistogramMetricFamily(
+            "rayapp_router_decision_latency_seconds", "Time to choose a replica", latency.buckets(), latency.total
+        )
+        if self.index is not None:
+            yield GaugeMetricFamily("rayapp_prefix_index_blocks", "Blocks in the PrefixIndex", self.index["blocks"])
+            yield GaugeMetricFamily(
+                "rayapp_prefix_index_replicas", "Replicas reporting to the PrefixIndex", self.index["replicas"]
+            )
+
 
 def render_prometheus(
-    replicas: dict[str, dict[str, Any]], http_requests: dict[tuple[str, str], int], inflight: int
+    replicas: dict[str, dict[str, Any]],
+    routers: dict[str, dict[str, Any]],
+    index: dict[str, int] | None,
+    http_requests: dict[tuple[str, str], int],
+    inflight: int,
 ) -> bytes:
-    """Prometheus text exposition of the ingress' counters and every replica's snapshot."""
+    """Prometheus text exposition of the ingress' counters, every replica's and router's snapshot,
+    and the PrefixIndex's size (`index` None: it did not answer)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(replicas, http_requests, inflight))
+    registry.register(_Collector(replicas, routers, index, http_requests, inflight))
     return generate_latest(registry)

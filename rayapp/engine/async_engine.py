@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from rayapp.config import EngineConfig
-from rayapp.engine.kv_events import BlockHash
+from rayapp.engine.kv_events import BlockHash, KVEvent
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import RequestOutput
 from rayapp.engine.sampling_params import SamplingParams
@@ -93,6 +93,23 @@ class AsyncLLMEngine:
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """KV cache events since the last call; safe beside the step loop (the event list is swapped whole)."""
+        return self.engine.take_kv_events()
+
+    async def kv_snapshot(self) -> list[KVEvent]:
+        """`LLMEngine.kv_snapshot`, taken on the engine thread between two steps."""
+        done: concurrent.futures.Future[list[KVEvent]] = concurrent.futures.Future()
+
+        def command() -> None:
+            try:
+                done.set_result(self.engine.kv_snapshot())
+            except BaseException as error:
+                done.set_exception(error)
+
+        self._submit(command)
+        return await asyncio.wrap_future(done)
 
     def shutdown(self) -> None:
         """Stop the step loop; requests still running get an error."""

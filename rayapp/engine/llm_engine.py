@@ -9,7 +9,7 @@ from typing import Any
 from rayapp.config import EngineConfig
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.detokenizer import IncrementalDetokenizer
-from rayapp.engine.kv_events import BlockHash, KVEvent
+from rayapp.engine.kv_events import AllCleared, BlockHash, KVEvent
 from rayapp.engine.model_runner import ModelRunner
 from rayapp.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rayapp.engine.sampler import make_generator
@@ -216,6 +216,14 @@ class LLMEngine:
     def take_kv_events(self) -> list[KVEvent]:
         """KV cache events since the last call (for the prefix router)."""
         return self.block_manager.take_events()
+
+    def kv_snapshot(self) -> list[KVEvent]:
+        """`AllCleared`, then one `BlockStored` per cached block: the whole cache as events.
+
+        Replaces the pending events (dropped here), so a consumer that lost some starts over from this.
+        """
+        self.block_manager.take_events()
+        return [AllCleared(), *self.block_manager.snapshot()]
 
     def stats(self) -> dict[str, int]:
         """Cumulative counters since start and the current state of the page pool."""

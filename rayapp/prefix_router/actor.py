@@ -1,0 +1,81 @@
+"""The PrefixIndex actor: one per application, fed by every replica's KV event batches.
+
+Protocol: each replica sends its events in order as numbered batches. Batch 0 is a snapshot
+(it starts with `AllCleared`, replacing all the index knows of that replica); every later batch
+must carry the next number. A gap (a lost batch) or a replica this actor does not know (it
+restarted and lost its state) is answered False, and the replica resends a snapshot. A replica
+that stops sending (not even its heartbeat) for `replica_timeout_s` is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from rayapp.config import RouterConfig
+from rayapp.engine.kv_events import DEVICE_TIER, BlockHash, KVEvent
+from rayapp.prefix_router.index import PrefixIndex
+from rayapp.prefix_router.policy import Holding
+
+NAMESPACE = "rayapp"
+
+
+@ray.remote(num_cpus=0)
+class PrefixIndexActor:
+    def __init__(self, max_blocks: int, replica_timeout_s: float) -> None:
+        self.index = PrefixIndex(max_blocks)
+        self.replica_timeout_s = replica_timeout_s
+        self._next_batch: dict[str, int] = {}
+        self._last_heard: dict[str, float] = {}
+
+    def publish(self, replica: str, batch: int, events: list[KVEvent]) -> bool:
+        """Apply batch number `batch` of `replica`'s events; False: resend a snapshot as batch 0."""
+        self._drop_silent()
+        if batch != 0 and batch != self._next_batch.get(replica):
+            self.remove_replica(replica)
+            return False
+        self.index.apply(replica, events)
+        self._next_batch[replica] = batch + 1
+        self._last_heard[replica] = time.monotonic()
+        return True
+
+    def match(self, block_hashes: list[BlockHash], replicas: list[str]) -> dict[str, Holding]:
+        """Leading blocks of the request each of `replicas` holds (replicas holding none are absent)."""
+        self._drop_silent()
+        wanted = set(replicas)
+        return {
+            r: Holding(o.blocks, sum(t != DEVICE_TIER for t in o.tiers))
+            for r, o in self.index.match(block_hashes).items()
+            if r in wanted
+        }
+
+    def remove_replica(self, replica: str) -> None:
+        """Forget a replica (it stopped, died, or must resend a snapshot)."""
+        self.index.remove_replica(replica)
+        self._next_batch.pop(replica, None)
+        self._last_heard.pop(replica, None)
+
+    def stats(self) -> dict[str, int]:
+        self._drop_silent()
+        return {"blocks": len(self.index), "replicas": len(self._next_batch)}
+
+    def _drop_silent(self) -> None:
+        deadline = time.monotonic() - self.replica_timeout_s
+        for replica in [r for r, t in self._last_heard.items() if t < deadline]:
+            self.remove_replica(replica)
+
+
+def prefix_index(app_name: str, config: RouterConfig) -> ray.actor.ActorHandle:
+    """The application's PrefixIndex actor, created by whichever party asks first (the builder, normally).
+
+    Detached and restarted by Ray if it dies: replicas then resend snapshots, routers fall back
+    to power-of-two choices until it answers again. Blocks on the GCS: call it off the event loop.
+    """
+    return PrefixIndexActor.options(
+        name=f"rayapp-prefix-index-{app_name}",
+        namespace=NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        max_restarts=-1,
+    ).remote(config.index_max_blocks, config.replica_timeout_s)

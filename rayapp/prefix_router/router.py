@@ -1,0 +1,108 @@
+"""`PrefixAwareRouter`: Serve's request router for the replicas, routing each request by its cached prefix.
+
+It runs inside every deployment handle of the replicas (the ingress'). Per request it reads the
+block hashes the ingress computed, asks the PrefixIndex actor which candidate holds how many
+leading blocks, takes each candidate's ongoing requests from Serve's queue-length cache, and
+ranks the candidates by `policy.rank`. It never blocks the event loop and never fails a
+request on the index's account: an index that is slow (over `index_timeout_s`) or down sends
+the request through power-of-two choices instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from rayapp.config import RouterConfig
+from rayapp.deployments.metrics import PUSH_PERIOD_S, RouterMetrics, metrics_hub
+from rayapp.prefix_router.actor import prefix_index
+from rayapp.prefix_router.policy import Holding, rank
+
+logger = logging.getLogger(__name__)
+
+# After the index failed (not merely slow), it is not asked again for this long.
+INDEX_RETRY_S = 1.0
+
+
+class PrefixAwareRouter(RequestRouter):
+    """Routes by (prefill tokens left, queued requests); see `rayapp.prefix_router.policy`."""
+
+    def initialize_state(self, block_size: int = 16, **router_config: Any) -> None:
+        """`request_router_kwargs`: the KV page size and the `RouterConfig` fields."""
+        self.block_size = block_size
+        self.config = RouterConfig(**router_config)
+        self.metrics = RouterMetrics()
+        self._rng = random.Random()
+        self._index: Any = None
+        self._index_retry_at = 0.0
+        self._pusher: asyncio.Task[None] | None = None
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        start = time.perf_counter()
+        if self._pusher is None:
+            self._pusher = asyncio.get_running_loop().create_task(self._push_metrics())
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        hashes = getattr(request, "block_hashes", None) or []
+        prompt_tokens = len(getattr(request, "prompt_token_ids", ()))
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        holdings = await self._match(hashes, list(by_id)) if hashes else None
+        ongoing = await self._ongoing(candidate_replicas) if holdings else {}
+        decision = rank(list(by_id), prompt_tokens, self.block_size, holdings, ongoing, self.config, self._rng)
+        self.metrics.decided(decision.reason, decision.predicted_cached_tokens, time.perf_counter() - start)
+        # One rank per replica, best first: if the best is full, Serve tries the next.
+        return [[by_id[r]] for r in decision.ranked]
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        if self._index is not None:
+            self._index.remove_replica.remote(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        gone = set(self._replica_id_set) - {r.replica_id for r in replicas}
+        super().update_replicas(replicas)
+        if self._index is not None:
+            for replica_id in gone:  # scaled down or replaced: its pages are no longer routable
+                self._index.remove_replica.remote(replica_id.unique_id)
+
+    async def _match(self, hashes: list[int], replicas: list[str]) -> dict[str, Holding] | None:
+        """The index's answer, or None when it is down, restarting, or slower than `index_timeout_s`."""
+        if time.monotonic() < self._index_retry_at:
+            return None
+        try:
+            if self._index is None:
+                self._index = await asyncio.wait_for(
+                    asyncio.to_thread(prefix_index, self.app_name, self.config), INDEX_RETRY_S
+                )
+            return await asyncio.wait_for(self._index.match.remote(hashes, replicas), self.config.index_timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        except Exception as error:
+            logger.warning("PrefixIndex unavailable (%s); power-of-two routing for %.0f s", error, INDEX_RETRY_S)
+            self._index_retry_at = time.monotonic() + INDEX_RETRY_S
+            return None
+
+    async def _ongoing(self, candidates: list[RunningReplica]) -> dict[str, int]:
+        """Requests each candidate runs or queues: Serve's cache, probing the replicas it lacks."""
+        cache = self.replica_queue_len_cache
+        known = {r.replica_id.unique_id: cache.get(r.replica_id) for r in candidates}
+        missing = [r for r in candidates if known[r.replica_id.unique_id] is None]
+        if missing:
+            for replica, queue_len in await self._probe_queue_lens(missing, 0):
+                known[replica.replica_id.unique_id] = queue_len
+        return {r: n for r, n in known.items() if n is not None}
+
+    async def _push_metrics(self) -> None:
+        hub = await asyncio.to_thread(metrics_hub, self.app_name)
+        router_id = f"{self._deployment_id.name}@{id(self):x}"
+        while True:
+            with contextlib.suppress(Exception):  # metrics must never disturb routing
+                await hub.push_router.remote(router_id, self.metrics.snapshot())
+            await asyncio.sleep(PUSH_PERIOD_S)
