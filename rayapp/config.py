@@ -108,8 +108,10 @@ class RouterConfig(BaseModel):
     request_router_class: str = Field(
         "rayapp.prefix_router:PrefixAwareRouter",
         description="Import path of the Serve RequestRouter for the replicas. Others that work: "
-        "'ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter' (Serve's default) and "
-        "'ray.serve.llm.request_router:PrefixCacheAffinityRouter' (Ray Serve LLM's text-trie router)",
+        "'ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter' (Serve's default) and Ray Serve "
+        "LLM's text-trie router 'ray.serve.llm.request_router:PrefixCacheAffinityRouter' (needs vLLM or SGLang "
+        "installed; 'ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
+        "PrefixCacheAffinityRouter' is the same class and needs only pyarrow)",
     )
     prefill_weight: float = Field(1.0, gt=0, description="Cost of one prompt token a replica must compute")
     loadable_weight: float = Field(

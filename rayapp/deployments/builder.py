@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from ray import serve
@@ -11,6 +12,8 @@ from rayapp.config import AppConfig
 from rayapp.deployments.ingress import OpenAIIngress
 from rayapp.deployments.replica import LLMReplica
 from rayapp.engine.async_engine import AsyncLLMEngine
+from rayapp.prefix_router.actor import prefix_index
+from rayapp.prefix_router.router import PrefixAwareRouter
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -18,11 +21,18 @@ def build_app(args: dict[str, Any]) -> Application:
     return build(AppConfig(**(args or {})))
 
 
-def build(config: AppConfig, engine_cls: type = AsyncLLMEngine) -> Application:
-    """Bind the ingress to `replicas` LLMReplica replicas, each with one engine and device.
+def build(config: AppConfig, engine_cls: type = AsyncLLMEngine, app_name: str = "rayapp") -> Application:
+    """Bind the ingress to `replicas` LLMReplica replicas, each with one engine and device, routed by
+    `config.router`, and start the application's PrefixIndex actor (named after `app_name`, the
+    name the application is deployed under).
 
     `engine_cls` lets tests run the real Serve path over a fake engine.
     """
+    prefix_index(app_name, config.router)
+    router = config.router
+    kwargs = {}
+    if issubclass(_import(router.request_router_class), PrefixAwareRouter):
+        kwargs = {"block_size": config.block_size, **router.model_dump(exclude={"request_router_class"})}
     replica = serve.deployment(
         LLMReplica,
         name="LLMReplica",
@@ -31,6 +41,7 @@ def build(config: AppConfig, engine_cls: type = AsyncLLMEngine) -> Application:
         # Replicas batch continuously: let Serve hand each one as many requests as it can queue.
         max_ongoing_requests=config.max_queued_requests,
         graceful_shutdown_timeout_s=30,
+        request_router_config={"request_router_class": router.request_router_class, "request_router_kwargs": kwargs},
     ).bind(config.model_dump(), engine_cls)
     ingress = serve.deployment(
         OpenAIIngress,
@@ -39,3 +50,15 @@ def build(config: AppConfig, engine_cls: type = AsyncLLMEngine) -> Application:
         max_ongoing_requests=config.max_queued_requests + 64,
     )
     return ingress.bind(replica, config.model_dump())
+
+
+def _import(path: str) -> type:
+    """The class named by `module:Class` (or `module.Class`), with an error that names the setting."""
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"router.request_router_class={path!r} cannot be imported: {error}") from None
+    if not isinstance(cls, type):
+        raise ValueError(f"router.request_router_class={path!r} is not a class")
+    return cls

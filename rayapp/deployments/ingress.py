@@ -21,16 +21,20 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayTaskError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.handle import DeploymentHandle
 
 from rayapp.config import AppConfig
 from rayapp.deployments.metrics import metrics_hub, render_prometheus
-from rayapp.deployments.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+from rayapp.deployments.protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerateRequest, parse
 from rayapp.engine.kv_events import hash_blocks
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
 from rayapp.models.tokenizer import chat_token_ids, load_tokenizer
+from rayapp.prefix_router.actor import prefix_index
+
+# A request whose replica dies is moved to another replica at most this many times.
+MAX_REPLICA_FAILURES = 3
 
 app = FastAPI(title="rayapp")
 # Requests by (endpoint, status). Kept on the app's state: serve.ingress serves a frozen copy of
@@ -65,16 +69,6 @@ async def _json(request: Request) -> Any:
     except (json.JSONDecodeError, UnicodeError) as error:
         raise APIError(400, f"the request body is not valid JSON text: {error}") from None
     return body
-
-
-async def _next(stream: DeploymentResponseGenerator) -> dict[str, Any]:
-    """The next item of a replica's stream; a request the engine rejects becomes a 400."""
-    try:
-        return await stream.__anext__()
-    except RayTaskError as error:
-        if isinstance(error.cause, ValueError):
-            raise APIError(400, str(error.cause)) from None
-        raise
 
 
 def _event(obj: dict[str, Any]) -> str:
@@ -112,11 +106,54 @@ def _full_response(items: list[dict[str, Any]], kind: str, response_id: str, mod
     }
 
 
-class _Admission:
-    """One admitted request's slot: released exactly once, stopping its replica stream if asked."""
+class _Generation:
+    """One admitted request's replica stream, holding one in-flight slot until released (exactly once).
 
-    def __init__(self, ingress: Any, stream: DeploymentResponseGenerator) -> None:
-        self.ingress, self.stream, self.released = ingress, stream, False
+    If the replica dies mid-request (crash, node loss, scale-down), the request moves to another
+    replica and continues after the tokens already produced, so the client sees one uninterrupted
+    answer. (A sampled request continues with fresh randomness; a greedy one is unchanged.)
+    """
+
+    def __init__(self, ingress: Any, request: GenerateRequest) -> None:
+        self.ingress, self.request = ingress, request
+        self.generated: list[int] = []
+        self.failures = 0
+        self.released = False
+        ingress.inflight += 1
+        self.stream = ingress.replica.options(stream=True).generate.remote(request)
+
+    async def next(self) -> dict[str, Any]:
+        """The next item, with usage counted over the whole request; an engine rejection becomes a 400."""
+        while True:
+            try:
+                item = await self.stream.__anext__()
+            except RayTaskError as error:
+                if isinstance(error.cause, ValueError):
+                    raise APIError(400, str(error.cause)) from None
+                raise
+            except RayActorError:
+                self.failures += 1
+                if self.failures > MAX_REPLICA_FAILURES:
+                    raise
+                self.stream = self.ingress.replica.options(stream=True).generate.remote(self._continuation())
+                continue
+            self.generated.extend(item.pop("token_ids"))
+            if "finish_reason" in item:
+                prompt_tokens = len(self.request.prompt_token_ids)
+                item.update(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=len(self.generated),
+                    cached_tokens=min(item["cached_tokens"], prompt_tokens),
+                )
+            return item
+
+    def _continuation(self) -> GenerateRequest:
+        """The rest of the request: the prompt plus what was generated, asking for what is left."""
+        sampling = dict(self.request.sampling)
+        if sampling["max_tokens"] is not None:
+            sampling["max_tokens"] = max(1, sampling["max_tokens"] - len(self.generated))
+        ids = self.request.prompt_token_ids + self.generated
+        return self.ingress.generate_request(ids, self.request.cache_salt, sampling, self.request.prompt)
 
     def release(self, cancel: bool) -> None:
         if self.released:
@@ -147,7 +184,9 @@ class OpenAIIngress:
         self.max_model_len = self.config.max_model_len or spec.max_position_embeddings
         self.replica = replica
         self.inflight = 0
-        self.hub = metrics_hub(serve.get_replica_context().app_name)
+        app_name = serve.get_replica_context().app_name
+        self.hub = metrics_hub(app_name)
+        self.prefix_index = prefix_index(app_name, self.config.router)
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -159,8 +198,13 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
-        replicas = await self.hub.snapshots.remote()
-        body = render_prometheus(replicas, dict(request.app.state.http_requests), self.inflight)
+        replicas, routers = await asyncio.gather(self.hub.snapshots.remote(), self.hub.routers.remote())
+        try:
+            index = await asyncio.wait_for(self.prefix_index.stats.remote(), timeout=1)
+        except Exception:  # the index is restarting: its gauges are left out this time
+            index = None
+        http = dict(request.app.state.http_requests)
+        body = render_prometheus(replicas, routers, index, http, self.inflight)
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -185,7 +229,7 @@ class OpenAIIngress:
             ids = chat_token_ids(self.tokenizer, messages)
         except ValueError as error:  # e.g. a model without a chat template
             raise APIError(400, str(error), param="messages") from None
-        return await self._serve(body, ids, tenant, "chat.completion")
+        return await self._serve(body, ids, tenant, "chat.completion", messages)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -198,7 +242,7 @@ class OpenAIIngress:
             ids = list(body.prompt)
         else:
             raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        return await self._serve(body, ids, tenant, "text_completion")
+        return await self._serve(body, ids, tenant, "text_completion", body.prompt)
 
     def _authenticate(self, request: Request) -> str:
         """Check the API key when keys are configured; return the tenant (the key, or else `user`)."""
@@ -220,7 +264,7 @@ class OpenAIIngress:
                 code="model_not_found",
             )
 
-    async def _serve(self, body: Any, ids: list[int], tenant: str, kind: str) -> Response:
+    async def _serve(self, body: Any, ids: list[int], tenant: str, kind: str, prompt: str | list[Any]) -> Response:
         max_tokens = body.requested_max_tokens
         wanted = len(ids) + (max_tokens or 1)
         if wanted > self.max_model_len:
@@ -247,41 +291,41 @@ class OpenAIIngress:
         # The tenant salts the hashes: different API keys (or users, without keys) never share pages.
         owner = tenant or body.user or ""
         salt = hashlib.sha256(owner.encode()).hexdigest()[:16] if owner else ""
-        payload = {
-            "request_id": uuid.uuid4().hex,
-            "prompt_token_ids": ids,
-            "block_hashes": hash_blocks(ids, self.config.block_size, (self.model_id, salt)),
-            "cache_salt": salt,
-            "sampling": sampling,
-        }
-        self.inflight += 1
-        stream = self.replica.options(stream=True).generate.remote(payload)
-        admission = _Admission(self, stream)
+        generation = _Generation(self, self.generate_request(ids, salt, sampling, prompt))
         try:
-            first = await _next(stream)
+            first = await generation.next()
         except BaseException:
-            admission.release(cancel=True)
+            generation.release(cancel=True)
             raise
-        response_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{payload['request_id']}"
+        response_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{generation.request.request_id}"
         if body.stream:
-            sse = self._sse(stream, first, body, kind, response_id, admission)
+            sse = self._sse(generation, first, body, kind, response_id)
             # A body the server never starts sending (the client left first) never runs `_sse`'s finally.
-            weakref.finalize(sse, admission.release, True)
+            weakref.finalize(sse, generation.release, True)
             return StreamingResponse(sse, media_type="text/event-stream")
         try:
-            items = [first] + [item async for item in stream]
+            items = [first]
+            while "finish_reason" not in items[-1]:
+                items.append(await generation.next())
         finally:
-            admission.release(cancel=False)
+            generation.release(cancel=False)
         return JSONResponse(_full_response(items, kind, response_id, self.served_name))
 
+    def generate_request(
+        self, ids: list[int], salt: str, sampling: dict[str, Any], prompt: str | list[Any]
+    ) -> GenerateRequest:
+        """What a replica is sent, with the prompt's block hashes computed as the replicas compute them."""
+        return GenerateRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            block_hashes=hash_blocks(ids, self.config.block_size, (self.model_id, salt)),
+            cache_salt=salt,
+            sampling=sampling,
+            prompt=prompt,
+        )
+
     async def _sse(
-        self,
-        stream: DeploymentResponseGenerator,
-        first: dict[str, Any],
-        body: Any,
-        kind: str,
-        response_id: str,
-        admission: _Admission,
+        self, generation: _Generation, first: dict[str, Any], body: Any, kind: str, response_id: str
     ) -> AsyncIterator[str]:
         created = int(time.time())
         chat = kind == "chat.completion"
@@ -321,11 +365,11 @@ class OpenAIIngress:
                             }
                         )
                     break
-                item = await _next(stream)
+                item = await generation.next()
             yield "data: [DONE]\n\n"
         except APIError as error:
             yield _event(error.body())
             yield "data: [DONE]\n\n"
         finally:
             # Not finished: the client left (or the replica failed); stop generating, free the pages.
-            admission.release(cancel=not finished)
+            generation.release(cancel=not finished)

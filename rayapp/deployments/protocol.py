@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What the ingress sends a replica (`LLMReplica.generate`), tokenized and hashed once.
+
+    Request routers read it before it leaves the ingress: rayapp's `PrefixAwareRouter` reads
+    `block_hashes` and `prompt_token_ids`; text-trie routers (Ray Serve LLM's
+    `PrefixCacheAffinityRouter`) read `prompt`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # The hash chain of the prompt's full blocks, salted by tenant (equal to the replica's own).
+    block_hashes: list[int]
+    cache_salt: str
+    # SamplingParams fields.
+    sampling: dict[str, Any]
+    # What the client sent: the prompt text (or token ids), or the chat messages.
+    prompt: str | list[int] | list[dict[str, str]]
 
 
 class APIError(Exception):

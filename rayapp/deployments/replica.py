@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,8 +14,11 @@ from ray import serve
 
 from rayapp.config import AppConfig
 from rayapp.deployments.metrics import PUSH_PERIOD_S, ReplicaMetrics, metrics_hub
+from rayapp.deployments.protocol import GenerateRequest
 from rayapp.engine.async_engine import AsyncLLMEngine
 from rayapp.engine.sampling_params import SamplingParams
+from rayapp.prefix_router.actor import prefix_index
+from rayapp.prefix_router.publisher import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -28,29 +31,37 @@ class LLMReplica:
     """
 
     def __init__(self, app_config: dict[str, Any], engine_cls: type = AsyncLLMEngine) -> None:
-        config = AppConfig(**app_config)
-        self.engine = engine_cls.from_config(config.engine_config())
+        self.config = AppConfig(**app_config)
+        self.engine = engine_cls.from_config(self.config.engine_config())
         context = serve.get_replica_context()
-        self.replica = context.replica_id.unique_id
+        self.app_name, self.replica = context.app_name, context.replica_id.unique_id
         self.metrics = ReplicaMetrics(self.replica)
-        self._hub = metrics_hub(context.app_name)
-        self._pusher = asyncio.get_event_loop().create_task(self._push_metrics())
+        self._hub = metrics_hub(self.app_name)
+        self._index = prefix_index(self.app_name, self.config.router)
+        publisher = KVEventPublisher(
+            self.replica,
+            functools.partial(prefix_index, self.app_name, self.config.router),
+            self.engine.take_kv_events,
+            self.engine.kv_snapshot,
+            self.config.router.event_batch_period_s,
+            self.config.router.event_batch_max,
+        )
+        loop = asyncio.get_event_loop()
+        self._tasks = [loop.create_task(self._push_metrics()), loop.create_task(publisher.run())]
 
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream one request: each item carries the new text; the last one the finish reason and usage.
-
-        `request`: `prompt_token_ids`, `block_hashes`, `cache_salt`, `sampling` (SamplingParams
-        fields). A ValueError (bad request) propagates to the ingress, which answers 400.
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        """Stream one request: each item carries the new text and token ids; the last one the finish
+        reason and usage. A ValueError (bad request) propagates to the ingress, which answers 400.
         """
-        params = SamplingParams(**request["sampling"])
+        params = SamplingParams(**request.sampling)
         start = last = time.monotonic()
         first = True
         stream = self.engine.generate(
-            request.get("request_id") or uuid.uuid4().hex,
+            request.request_id,
             params=params,
-            prompt_token_ids=request["prompt_token_ids"],
-            cache_salt=request.get("cache_salt", ""),
-            block_hashes=request.get("block_hashes"),
+            prompt_token_ids=request.prompt_token_ids,
+            cache_salt=request.cache_salt,
+            block_hashes=request.block_hashes,
         )
         async for out in stream:
             now = time.monotonic()
@@ -61,7 +72,7 @@ class LLMReplica:
                 else:
                     self.metrics.next_token(now - last)
                 first, last = False, now
-            item: dict[str, Any] = {"text": completion.delta_text}
+            item: dict[str, Any] = {"text": completion.delta_text, "token_ids": completion.delta_token_ids}
             if out.finished:
                 self.metrics.finished(completion.finish_reason)
                 item.update(
@@ -82,7 +93,9 @@ class LLMReplica:
             await asyncio.sleep(PUSH_PERIOD_S)
 
     def __del__(self) -> None:
-        # Serve calls this on graceful shutdown: stop the engine thread, take our numbers down.
-        self._pusher.cancel()
+        # Serve calls this on graceful shutdown: stop the engine thread, take our numbers and pages down.
+        for task in self._tasks:
+            task.cancel()
         self._hub.remove.remote(self.replica)
+        self._index.remove_replica.remote(self.replica)
         self.engine.shutdown()

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from rayapp.engine.kv_events import KVEvent
 
@@ -20,22 +21,24 @@ PUBLISH_TIMEOUT_S = 10.0
 class KVEventPublisher:
     """Sends one replica's KV events to the PrefixIndex actor, in order, every `period_s`.
 
-    `take_events` returns the events since its last call; `snapshot` returns `AllCleared` plus a
-    `BlockStored` per cached block, taken atomically with dropping the pending events. The first
-    send, and every send after a refused or failed one, is a snapshot.
+    `connect` returns the PrefixIndex actor (blocking; run off the event loop, again after a
+    failure). `take_events` returns the events since its last call; `snapshot` returns `AllCleared`
+    plus a `BlockStored` per cached block, taken atomically with dropping the pending events. The
+    first send, and every send after a refused or failed one, is a snapshot.
     """
 
     def __init__(
         self,
         replica: str,
-        index: Callable[[], Awaitable[object]],
+        connect: Callable[[], Any],
         take_events: Callable[[], list[KVEvent]],
         snapshot: Callable[[], Awaitable[list[KVEvent]]],
         period_s: float,
         max_events: int,
     ) -> None:
         self.replica = replica
-        self._index = index
+        self._connect = connect
+        self._index: Any = None
         self._take_events = take_events
         self._snapshot = snapshot
         self.period_s = period_s
@@ -53,6 +56,7 @@ class KVEventPublisher:
                 await self.publish()
                 self._warned = False
             except Exception as error:  # the index is down or restarting: the router falls back meanwhile
+                self._index = None
                 if not self._warned:
                     logger.warning("PrefixIndex unreachable (%s); will resend a snapshot when it answers", error)
                     self._warned = True
@@ -65,11 +69,12 @@ class KVEventPublisher:
             return
         # Until every batch below is acknowledged, the index may be missing some of these events.
         self._resync = True
-        index = await self._index()
+        if self._index is None:
+            self._index = await asyncio.to_thread(self._connect)
         batch = 0 if resync else self._next_batch
         for start in range(0, max(len(events), 1), self.max_events):
             chunk = events[start : start + self.max_events]
-            applied = await asyncio.wait_for(index.publish.remote(self.replica, batch, chunk), PUBLISH_TIMEOUT_S)
+            applied = await asyncio.wait_for(self._index.publish.remote(self.replica, batch, chunk), PUBLISH_TIMEOUT_S)
             batch += 1
             if not applied:
                 return

@@ -86,7 +86,7 @@ class PrefixAwareRouter(RequestRouter):
             return None
         except Exception as error:
             logger.warning("PrefixIndex unavailable (%s); power-of-two routing for %.0f s", error, INDEX_RETRY_S)
-            self._index_retry_at = time.monotonic() + INDEX_RETRY_S
+            self._index, self._index_retry_at = None, time.monotonic() + INDEX_RETRY_S
             return None
 
     async def _ongoing(self, candidates: list[RunningReplica]) -> dict[str, int]:
