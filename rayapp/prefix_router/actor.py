@@ -21,8 +21,9 @@ from rayapp.prefix_router.policy import Holding
 NAMESPACE = "rayapp"
 
 
-@ray.remote(num_cpus=0)
-class PrefixIndexActor:
+class PrefixIndexService:
+    """The actor's body (a plain class, so tests drive it without Ray)."""
+
     def __init__(self, max_blocks: int, replica_timeout_s: float) -> None:
         self.index = PrefixIndex(max_blocks)
         self.replica_timeout_s = replica_timeout_s
@@ -60,10 +61,18 @@ class PrefixIndexActor:
         self._drop_silent()
         return {"blocks": len(self.index), "replicas": len(self._next_batch)}
 
+    def replicas(self) -> list[str]:
+        """The replicas currently reporting."""
+        self._drop_silent()
+        return sorted(self._next_batch)
+
     def _drop_silent(self) -> None:
         deadline = time.monotonic() - self.replica_timeout_s
         for replica in [r for r, t in self._last_heard.items() if t < deadline]:
             self.remove_replica(replica)
+
+
+PrefixIndexActor = ray.remote(num_cpus=0)(PrefixIndexService)
 
 
 def prefix_index(app_name: str, config: RouterConfig) -> ray.actor.ActorHandle:

@@ -1,0 +1,147 @@
+"""Two replicas behind the PrefixAwareRouter, on this machine: turns land where their prefix is, and a
+replica killed mid-run costs no request.
+
+Routing is judged by what the engines deliver (`usage.prompt_tokens_details.cached_tokens`), not
+by what the router claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from rayapp.config import AppConfig
+from rayapp.deployments.builder import build
+from rayapp.prefix_router.actor import prefix_index
+
+MODEL = "SmolLM2-135M-Instruct"
+CONFIG = AppConfig(dtype="bfloat16", replicas=2, num_cpus=0.5, kv_cache_memory_gb=0.25, max_num_seqs=16)
+SYSTEM = {"role": "system", "content": "You are a concise assistant. Answer in one short sentence."}
+TOPICS = ["rivers", "volcanoes", "bridges", "owls", "glaciers", "violins"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    port = _free_port()
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build(CONFIG), name="rayapp", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _opening(topic: str) -> dict[str, str]:
+    # Long and distinct per conversation: its pages, not the shared system prompt's, decide the hit.
+    facts = " ".join(f"Note {i}: {topic} are interesting for reason number {i}." for i in range(30))
+    return {"role": "user", "content": f"I am studying {topic}. {facts} Tell me one thing about {topic}."}
+
+
+async def _chat(client: httpx.AsyncClient, messages: list[dict[str, str]], stream: bool, max_tokens: int) -> dict:
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if not stream:
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        data = response.json()
+        return {"text": data["choices"][0]["message"]["content"], "usage": data["usage"]}
+    body["stream_options"] = {"include_usage": True}
+    text, usage = [], None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = httpx.Response(200, content=line[6:]).json()
+            assert "error" not in chunk, chunk
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                text.append(choice["delta"].get("content") or "")
+            if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
+                assert chunk["choices"][0]["finish_reason"] in ("stop", "length")
+    assert usage is not None
+    return {"text": "".join(text), "usage": usage}
+
+
+async def _conversation(client: httpx.AsyncClient, topic: str, turns: int, stream: bool, max_tokens: int) -> list:
+    """Each turn's (prompt tokens of the turn before, cached tokens delivered)."""
+    messages = [SYSTEM, _opening(topic)]
+    results, previous_prompt = [], 0
+    for turn in range(turns):
+        answer = await _chat(client, messages, stream, max_tokens)
+        results.append((previous_prompt, answer["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        previous_prompt = answer["usage"]["prompt_tokens"]
+        messages += [{"role": "assistant", "content": answer["text"]}, {"role": "user", "content": f"More, {turn}."}]
+    return results
+
+
+def _replica_actors() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "LLMReplica" in a["name"]]
+
+
+def test_each_turn_lands_on_the_replica_holding_its_conversation(base_url):
+    async def run():
+        async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+            return await asyncio.gather(*(_conversation(client, t, 5, False, 8) for t in TOPICS))
+
+    conversations = asyncio.run(run())
+    later_turns = [turn for conversation in conversations for turn in conversation[1:]]
+    # Routed to the holder, a turn finds at least the previous turn's whole prompt cached (its full
+    # blocks); elsewhere it would find only the shared system prompt's blocks.
+    hits = [cached >= previous - previous % 16 for previous, cached in later_turns]
+    assert sum(hits) >= 0.95 * len(hits), later_turns
+    metrics = httpx.get(f"{base_url}/metrics").text
+    assert 'rayapp_router_decisions_total{reason="overlap"}' in metrics
+    assert "rayapp_prefix_index_replicas 2.0" in metrics
+
+
+def test_killed_replica_costs_no_request_and_leaves_the_index(base_url):
+    index = prefix_index("rayapp", CONFIG.router)
+    victim = _replica_actors()[0]
+    victim_id = victim.rsplit("#", 1)[-1]
+    assert victim_id in ray.get(index.replicas.remote())
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+            talks = [asyncio.ensure_future(_conversation(client, t, 2, True, 48)) for t in TOPICS]
+            await asyncio.sleep(3)  # let the streams get going, then take one replica away under them
+            ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+            return await asyncio.wait_for(asyncio.gather(*talks), timeout=600)
+
+    conversations = asyncio.run(run())
+    assert len(conversations) == len(TOPICS)  # every request completed (failures raise above)
+    deadline = time.monotonic() + 60
+    while victim_id in ray.get(index.replicas.remote()):
+        assert time.monotonic() < deadline, "the dead replica stayed in the PrefixIndex"
+        time.sleep(0.2)
+
+
+def test_a_restarted_index_is_rebuilt_from_replica_snapshots(base_url):
+    index = prefix_index("rayapp", CONFIG.router)
+    ray.kill(index, no_restart=False)
+    deadline = time.monotonic() + 120
+    # Replicas see their next batch refused (or failing) and resend everything they cache.
+    while True:
+        try:
+            stats = ray.get(index.stats.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            stats = {"replicas": 0, "blocks": 0}
+        if stats["replicas"] >= 1 and stats["blocks"] > 0:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+    with httpx.Client(base_url=base_url, timeout=300) as client:
+        body = {"model": MODEL, "messages": [SYSTEM, _opening("rivers")], "max_tokens": 4, "temperature": 0}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
