@@ -135,6 +135,7 @@ class _Generation:
                 self.failures += 1
                 if self.failures > MAX_REPLICA_FAILURES:
                     raise
+                self.ingress.moved_requests += 1
                 self.stream = self.ingress.replica.options(stream=True).generate.remote(self._continuation())
                 continue
             self.generated.extend(item.pop("token_ids"))
@@ -184,6 +185,8 @@ class OpenAIIngress:
         self.max_model_len = self.config.max_model_len or spec.max_position_embeddings
         self.replica = replica
         self.inflight = 0
+        # Requests moved to another replica because theirs died.
+        self.moved_requests = 0
         app_name = serve.get_replica_context().app_name
         self.hub = metrics_hub(app_name)
         self.prefix_index = prefix_index(app_name, self.config.router)
@@ -204,7 +207,7 @@ class OpenAIIngress:
         except Exception:  # the index is restarting: its gauges are left out this time
             index = None
         http = dict(request.app.state.http_requests)
-        body = render_prometheus(replicas, routers, index, http, self.inflight)
+        body = render_prometheus(replicas, routers, index, http, self.inflight, self.moved_requests)
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

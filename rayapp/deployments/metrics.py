@@ -185,8 +185,10 @@ class _Collector:
         index: dict[str, int] | None,
         http: dict[tuple[str, str], int],
         inflight: int,
+        moved: int,
     ) -> None:
-        self.replicas, self.routers, self.index, self.http, self.inflight = replicas, routers, index, http, inflight
+        self.replicas, self.routers, self.index = replicas, routers, index
+        self.http, self.inflight, self.moved = http, inflight, moved
 
     def collect(self):
         http = CounterMetricFamily(
@@ -196,6 +198,9 @@ class _Collector:
             http.add_metric([endpoint, status], n)
         yield http
         yield GaugeMetricFamily("rayapp_ingress_inflight_requests", "Requests admitted and not finished", self.inflight)
+        yield CounterMetricFamily(
+            "rayapp_ingress_moved_requests", "Requests continued on another replica after theirs died", self.moved
+        )
         yield from self._replica_families()
         yield from self._router_families()
 
@@ -257,9 +262,11 @@ def render_prometheus(
     index: dict[str, int] | None,
     http_requests: dict[tuple[str, str], int],
     inflight: int,
+    moved: int,
 ) -> bytes:
-    """Prometheus text exposition of the ingress' counters, every replica's and router's snapshot,
-    and the PrefixIndex's size (`index` None: it did not answer)."""
+    """Prometheus text exposition of the ingress' counters (`moved`: requests continued elsewhere after
+    their replica died), every replica's and router's snapshot, and the PrefixIndex's size (`index`
+    None: it did not answer)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(replicas, routers, index, http_requests, inflight))
+    registry.register(_Collector(replicas, routers, index, http_requests, inflight, moved))
     return generate_latest(registry)

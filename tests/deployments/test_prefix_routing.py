@@ -8,6 +8,7 @@ by what the router claims.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 
@@ -122,6 +123,8 @@ def test_killed_replica_costs_no_request_and_leaves_the_index(base_url):
 
     conversations = asyncio.run(run())
     assert len(conversations) == len(TOPICS)  # every request completed (failures raise above)
+    moved = re.search(r"^rayapp_ingress_moved_requests_total (\S+)$", httpx.get(f"{base_url}/metrics").text, re.M)
+    assert float(moved.group(1)) >= 1  # some were streaming on the victim and continued on the survivor
     deadline = time.monotonic() + 60
     while victim_id in ray.get(index.replicas.remote()):
         assert time.monotonic() < deadline, "the dead replica stayed in the PrefixIndex"
