@@ -121,7 +121,7 @@ class LoadSummary:
     cached_share: float | None  # cached prompt tokens / prompt tokens, over requests that report it
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile, q in [0, 100]; nan for no values."""
     if not values:
         return float("nan")
@@ -172,12 +172,12 @@ async def _stream_turn(
     return record, "".join(text)
 
 
-def _client(base_url: str) -> AsyncOpenAI:
+def openai_client(base_url: str) -> AsyncOpenAI:
     # No client-side retries: a retried request would hide an error and distort its timing.
     return AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=600.0)
 
 
-async def _conversation(
+async def run_conversation(
     client: AsyncOpenAI, model: str, conversation: int, turns: int, max_tokens: int
 ) -> list[RequestRecord]:
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
@@ -199,22 +199,22 @@ def summarize(records: list[RequestRecord], wall_s: float, turns: int) -> LoadSu
     return LoadSummary(
         requests=len(records),
         wall_s=wall_s,
-        ttft_p50_s=_percentile(ttfts, 50),
-        ttft_p90_s=_percentile(ttfts, 90),
-        itl_p50_s=_percentile(itls, 50),
-        chunk_gap_p50_s=_percentile(gaps, 50),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p90_s=percentile(ttfts, 90),
+        itl_p50_s=percentile(itls, 50),
+        chunk_gap_p50_s=percentile(gaps, 50),
         output_tokens_per_s=sum(r.completion_tokens for r in records) / wall_s,
-        ttft_p50_by_turn_s=tuple(_percentile([r.ttft_s for r in records if r.turn == t], 50) for t in range(turns)),
+        ttft_p50_by_turn_s=tuple(percentile([r.ttft_s for r in records if r.turn == t], 50) for t in range(turns)),
         cached_share=sum(r.cached_tokens for r in reporting) / prompt_reported if prompt_reported else None,
     )
 
 
 async def run_load(base_url: str, model: str, conversations: int, turns: int, max_tokens: int) -> LoadSummary:
     """Run the multi-turn load once against an OpenAI-compatible server and summarize it."""
-    async with _client(base_url) as client:
+    async with openai_client(base_url) as client:
         start = time.perf_counter()
         per_conversation = await asyncio.gather(
-            *(_conversation(client, model, c, turns, max_tokens) for c in range(conversations))
+            *(run_conversation(client, model, c, turns, max_tokens) for c in range(conversations))
         )
         wall_s = time.perf_counter() - start
     return summarize([r for records in per_conversation for r in records], wall_s, turns)
@@ -223,7 +223,7 @@ async def run_load(base_url: str, model: str, conversations: int, turns: int, ma
 async def _wait_ready(base_url: str, model: str, deadline: float, server: subprocess.Popen | None) -> None:
     """Wait until `GET /v1/models` lists `model` and one tiny chat completion succeeds (it also warms up)."""
     last_error = "no answer yet"
-    async with _client(base_url) as client:
+    async with openai_client(base_url) as client:
         while time.monotonic() < deadline:
             if server is not None and server.poll() is not None:
                 raise RuntimeError(f"the server exited with code {server.returncode} before it was ready")
