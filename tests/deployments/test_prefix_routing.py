@@ -105,7 +105,48 @@ def test_each_turn_lands_on_the_replica_holding_its_conversation(base_url):
     assert sum(hits) >= 0.95 * len(hits), later_turns
     metrics = httpx.get(f"{base_url}/metrics").text
     assert 'rayapp_router_decisions_total{reason="overlap"}' in metrics
+    predicted = re.search(r"^rayapp_router_predicted_cached_tokens_total (\S+)$", metrics, re.M)
+    assert float(predicted.group(1)) > 0
     assert "rayapp_prefix_index_replicas 2.0" in metrics
+
+
+def _decisions(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics").text
+    return {
+        reason: float(n)
+        for reason, n in re.findall(r'^rayapp_router_decisions_total{reason="(\w+)"} (\S+)$', text, re.M)
+    }
+
+
+def _decided(base_url: str, before: dict[str, float]) -> dict[str, float]:
+    """The routing decisions made since `before`, once the router has pushed them (twice a second)."""
+    deadline = time.monotonic() + 30
+    while True:
+        now = _decisions(base_url)
+        delta = {r: now.get(r, 0) - before.get(r, 0) for r in now}
+        if sum(delta.values()) > 0:
+            return {r: n for r, n in delta.items() if n}
+        assert time.monotonic() < deadline, "the router's decisions never reached /metrics"
+        time.sleep(0.1)
+
+
+def test_tenants_share_no_pages_and_are_not_routed_by_each_others_prompts(base_url):
+    messages = [SYSTEM, _opening("lighthouses")]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
+    with httpx.Client(base_url=base_url, timeout=300) as client:
+        before = _decisions(base_url)
+        alice = client.post("/v1/chat/completions", json={**body, "user": "alice"}).json()
+        _decided(base_url, before)
+        before = _decisions(base_url)
+        bob = client.post("/v1/chat/completions", json={**body, "user": "bob"}).json()
+        # Nothing of alice's (not even the system prompt's pages) was a routing reason for bob.
+        assert _decided(base_url, before) == {"fallback": 1}
+        before = _decisions(base_url)
+        alice_again = client.post("/v1/chat/completions", json={**body, "user": "alice"}).json()
+        assert _decided(base_url, before) == {"overlap": 1}
+    assert bob["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    prompt = alice["usage"]["prompt_tokens"]
+    assert alice_again["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // 16 * 16
 
 
 def test_killed_replica_costs_no_request_and_leaves_the_index(base_url):
