@@ -178,12 +178,14 @@ def openai_client(base_url: str) -> AsyncOpenAI:
 
 
 async def run_conversation(
-    client: AsyncOpenAI, model: str, conversation: int, turns: int, max_tokens: int
+    client: AsyncOpenAI, model: str, conversation: int, turns: int, max_tokens: int, context: str = ""
 ) -> list[RequestRecord]:
+    """One conversation's turns in order; `context` (a document the customer pastes) opens its first message."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
     records = []
     for turn in range(turns):
-        messages.append({"role": "user", "content": _user_message(conversation, turn)})
+        text = _user_message(conversation, turn)
+        messages.append({"role": "user", "content": f"{context}\n\n{text}" if context and turn == 0 else text})
         record, reply = await _stream_turn(client, model, messages, max_tokens, turn)
         messages.append({"role": "assistant", "content": reply})
         records.append(record)
