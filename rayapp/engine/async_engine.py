@@ -94,17 +94,21 @@ class AsyncLLMEngine:
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
 
-    def take_kv_events(self) -> list[KVEvent]:
-        """KV cache events since the last call; safe beside the step loop (the event list is swapped whole)."""
-        return self.engine.take_kv_events()
+    async def take_kv_events(self) -> list[KVEvent]:
+        """KV cache events since the last call, taken on the engine thread between two steps."""
+        return await self._call(self.engine.take_kv_events)
 
     async def kv_snapshot(self) -> list[KVEvent]:
         """`LLMEngine.kv_snapshot`, taken on the engine thread between two steps."""
-        done: concurrent.futures.Future[list[KVEvent]] = concurrent.futures.Future()
+        return await self._call(self.engine.kv_snapshot)
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread (where the engine's state is consistent) and return its result."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def command() -> None:
             try:
-                done.set_result(self.engine.kv_snapshot())
+                done.set_result(fn())
             except BaseException as error:
                 done.set_exception(error)
 

@@ -31,7 +31,7 @@ class KVEventPublisher:
         self,
         replica: str,
         connect: Callable[[], Any],
-        take_events: Callable[[], list[KVEvent]],
+        take_events: Callable[[], Awaitable[list[KVEvent]]],
         snapshot: Callable[[], Awaitable[list[KVEvent]]],
         period_s: float,
         max_events: int,
@@ -64,7 +64,7 @@ class KVEventPublisher:
     async def publish(self) -> None:
         """Send what happened since the last call (or a snapshot, if the index lost track of us)."""
         resync = self._resync
-        events = await self._snapshot() if resync else self._take_events()
+        events = await (self._snapshot() if resync else self._take_events())
         if not events and time.monotonic() - self._last_sent < HEARTBEAT_S:
             return
         # Until every batch below is acknowledged, the index may be missing some of these events.

@@ -58,7 +58,7 @@ class FakeEngine:
         self.cached.append(event)
         self.pending.append(event)
 
-    def take_events(self) -> list:
+    async def take_events(self) -> list:
         events, self.pending = self.pending, []
         return events
 
