@@ -107,13 +107,16 @@ async def _load(base_url: str, args: argparse.Namespace) -> tuple[list, float]:
 def measure(policy: str, args: argparse.Namespace) -> dict[str, float]:
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    router: dict = {"request_router_class": POLICIES[policy]}
+    if args.queue_weight_tokens is not None:
+        router["queue_weight_tokens"] = args.queue_weight_tokens
     try:
         config = AppConfig(
             dtype="bfloat16",
             replicas=2,
             num_cpus=0.5,
             kv_cache_memory_gb=1.0,
-            router={"request_router_class": POLICIES[policy]},
+            router=router,
         )
         serve.run(build(config), name="rayapp", route_prefix="/")
         conversations, wall_s = asyncio.run(_load(f"http://127.0.0.1:{port}", args))
@@ -137,6 +140,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--context-tokens", type=int, default=400)
+    parser.add_argument(
+        "--queue-weight-tokens", type=float, default=None, help="rayapp router's load weight (default: the config's)"
+    )
     parser.add_argument("--policies", nargs="+", choices=list(POLICIES), default=["pow2", "affinity", "rayapp"])
     args = parser.parse_args()
     args.shared = shared_prefix_tokens()

@@ -66,7 +66,7 @@ class PrefixAwareRouter(RequestRouter):
             self._index.remove_replica.remote(replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        gone = set(self._replica_id_set) - {r.replica_id for r in replicas}
+        gone = set(self.curr_replicas) - {r.replica_id for r in replicas}
         super().update_replicas(replicas)
         if self._index is not None:
             for replica_id in gone:  # scaled down or replaced: its pages are no longer routable
