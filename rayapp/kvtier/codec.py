@@ -96,8 +96,10 @@ def encode_block(block: KVBlock) -> bytes:
     """Serialize `block` (header + raw K and V bytes); the inverse of `decode_block`."""
     k, v = block.key, block.value
     if k.shape != v.shape or k.dtype != v.dtype or k.dim() != 4:
-        raise ValueError(f"key and value must share one 4-d shape and dtype, got {tuple(k.shape)} {k.dtype} "
-                         f"and {tuple(v.shape)} {v.dtype}")
+        raise ValueError(
+            f"key and value must share one 4-d shape and dtype, got {tuple(k.shape)} {k.dtype} "
+            f"and {tuple(v.shape)} {v.dtype}"
+        )
     if k.dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype {k.dtype} is not supported; use one of {sorted(DTYPES)}")
     if len(block.token_ids) != k.shape[1]:
@@ -175,8 +177,10 @@ def _split(data: bytes | bytearray | memoryview | np.ndarray) -> tuple[BlockHead
     header = _parse_header(raw)
     payload = buf[start + header_len :]
     if len(payload) != 2 * header.tensor_nbytes:
-        raise BlockFormatError(f"{len(payload)} tensor bytes, expected {2 * header.tensor_nbytes} for "
-                               f"K and V of shape {header.shape} in {header.dtype}")
+        raise BlockFormatError(
+            f"{len(payload)} tensor bytes, expected {2 * header.tensor_nbytes} for "
+            f"K and V of shape {header.shape} in {header.dtype}"
+        )
     return header, payload
 
 
