@@ -30,6 +30,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from rayapp.engine.kv_events import BlockHash
+from rayapp.kvtier.records import BlockLocation, BlockRow, ChainMatch, ScoredBlock, TierUsage
 
 logger = logging.getLogger("rayapp.kvtier")
 
@@ -72,56 +73,6 @@ def detect_dialect(version: str) -> Dialect:
     return Dialect.OPENGAUSS if "opengauss" in text or "gaussdb" in text else Dialect.POSTGRESQL
 
 
-@dataclass(frozen=True)
-class BlockRow:
-    """What a store writes for one block it holds. Hashes are rayapp's unsigned 64-bit values."""
-
-    block_hash: BlockHash
-    parent_hash: BlockHash | None
-    model_id: str
-    cache_salt: str
-    layer_group: int
-    node_id: str
-    store_name: str
-    nbytes: int
-    num_tokens: int
-    # The block's retrieval representation (per KV head, flattened), or None.
-    representation: Sequence[float] | np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class BlockLocation:
-    """Where one catalogued block lives: the store actor `store_name` on node `node_id`."""
-
-    block_hash: BlockHash
-    layer_group: int
-    node_id: str
-    store_name: str
-    nbytes: int
-    num_tokens: int
-
-
-@dataclass(frozen=True)
-class ChainMatch:
-    """The leading `num_present` blocks of a hash chain are in the tier, at `locations` (in order)."""
-
-    num_present: int = 0
-    locations: tuple[BlockLocation, ...] = ()
-
-
-@dataclass(frozen=True)
-class ScoredBlock:
-    location: BlockLocation
-    # query · representation (larger is more relevant).
-    score: float
-
-
-@dataclass(frozen=True)
-class TierUsage:
-    num_blocks: int = 0
-    nbytes: int = 0
-
-
 _LOCATION_COLUMNS = "block_hash, layer_group, node_id, store_name, nbytes, num_tokens"
 _UPSERT_COLUMNS = (
     "block_hash", "parent_hash", "model_id", "cache_salt", "layer_group",
@@ -147,19 +98,11 @@ class CatalogSQL:
 
     def create_table(self) -> str:
         return (
-            f"CREATE TABLE IF NOT EXISTS {TABLE} ("
-            "block_hash BIGINT NOT NULL, "
-            "parent_hash BIGINT NULL, "
-            "model_id TEXT NOT NULL, "
-            "cache_salt TEXT NOT NULL, "
-            "layer_group INTEGER NOT NULL, "
-            "node_id TEXT NOT NULL, "
-            "store_name TEXT NOT NULL, "
-            "nbytes BIGINT NOT NULL, "
-            "num_tokens INTEGER NOT NULL, "
+            f"CREATE TABLE IF NOT EXISTS {TABLE} (block_hash BIGINT NOT NULL, parent_hash BIGINT NULL, "
+            "model_id TEXT NOT NULL, cache_salt TEXT NOT NULL, layer_group INTEGER NOT NULL, node_id TEXT NOT NULL, "
+            "store_name TEXT NOT NULL, nbytes BIGINT NOT NULL, num_tokens INTEGER NOT NULL, "
             f"representation vector({self.representation_dim}) NULL, "
-            "created_at TIMESTAMPTZ NOT NULL DEFAULT now(), "
-            "last_used TIMESTAMPTZ NOT NULL DEFAULT now(), "
+            "created_at TIMESTAMPTZ NOT NULL DEFAULT now(), last_used TIMESTAMPTZ NOT NULL DEFAULT now(), "
             "PRIMARY KEY (block_hash, layer_group))"
         )
 
