@@ -6,8 +6,8 @@ a psycopg 3 connection pool with parameters only, never with values spliced into
 
 The catalog is consulted per request, never per token. When the database cannot be reached the
 catalog disables itself with one warning and answers as if it were empty (writes return False);
-after `retry_after_s` the next call tries the database again. Only connection failures are treated
-so: an SQL or data error is a bug and raises.
+after `retry_after_s` the next call tries the database again. Only failures of the database are
+treated so (unreachable, shut down, table gone): an SQL or data error is a bug and raises.
 
 Invariant kept by `KVTierStore`: a row names the store actor holding the block's bytes. A reader
 still checks every loaded block against its hash and token ids, since a row can outlive its bytes
@@ -33,6 +33,10 @@ from rayapp.engine.kv_events import BlockHash
 from rayapp.kvtier.records import BlockLocation, BlockRow, ChainMatch, ScoredBlock, TierUsage
 
 logger = logging.getLogger("rayapp.kvtier")
+
+# Failures of the database rather than of rayapp's SQL: they disable the catalog until a retry. A
+# missing table (the server was re-initialized under us) is one: the reconnect creates it again.
+_UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.UndefinedTable)
 
 _T = TypeVar("_T")
 _U64 = 1 << 64
@@ -262,7 +266,7 @@ class Catalog:
                     name="rayapp-kvtier-catalog",
                     open=True,
                 )
-            except (psycopg.OperationalError, psycopg.InterfaceError) as err:
+            except _UNREACHABLE as err:
                 self._disable_locked(err)
                 return False
             if self._disabled:
@@ -310,7 +314,7 @@ class Catalog:
         try:
             with pool.connection() as conn:
                 return work(conn, sql)
-        except (psycopg.OperationalError, psycopg.InterfaceError) as err:
+        except _UNREACHABLE as err:
             with self._lock:
                 if self._pool is pool:
                     self._disable_locked(err)

@@ -113,10 +113,10 @@ class EmbeddedPostgres:
 
     def _prepare_dir(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)  # it holds the password
         if self._user is None:
             return
         self._own(self.data_dir)
-        self.data_dir.chmod(0o700)
         for parent in self.data_dir.parents:
             mode = parent.stat().st_mode
             if not mode & stat.S_IXOTH:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import psycopg
 import pytest
 
 from rayapp.engine.kv_events import BlockHash, hash_blocks
@@ -162,3 +163,14 @@ def test_every_value_is_a_parameter():
         assert "%(" in statement
         # No quoted literal anywhere: values arrive as parameters only.
         assert "'" not in statement
+
+
+def test_a_table_dropped_under_the_catalog_is_recreated_on_retry(dsn, catalog):
+    quick = Catalog(dsn, REPRESENTATION_DIM, retry_after_s=0.0)
+    assert quick.upsert(rows(chain(2)))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE kv_blocks")  # as if the database were re-initialized
+    assert quick.longest_chain(chain(2)) == ChainMatch()  # no error reaches the caller
+    assert quick.upsert(rows(chain(2)))  # reconnected: the table is back
+    assert quick.longest_chain(chain(2)).num_present == 2
+    quick.close()

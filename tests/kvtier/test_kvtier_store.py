@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -167,7 +168,10 @@ def test_database_down_disables_the_tier_once_and_calls_keep_working(cluster, tm
 
 
 def test_embedded_database_actor_starts_once_and_stops(cluster, tmp_path):
-    dsn = start_embedded_database(tmp_path / "cluster-db")
+    with ThreadPoolExecutor(2) as pool:  # racing first callers share one actor and one server
+        dsns = list(pool.map(start_embedded_database, [tmp_path / "cluster-db"] * 2))
+    dsn = dsns[0]
+    assert dsns[1] == dsn
     assert start_embedded_database(tmp_path / "ignored") == dsn
     assert not (tmp_path / "ignored").exists()
     catalog = Catalog(dsn, DIM)
