@@ -109,8 +109,9 @@ class KVTierStore:
         Pass numpy uint8 arrays rather than bytes to spare a copy on the way in. `blocks` is taken
         as a chain in token order: when they do not all fit, the earlier ones are kept (a block is
         useless without those before it), and the later ones count as less recently used. A block
-        already held is only marked recently used. Returns, per block, whether it is now held; all
-        False (nothing kept) when the catalog is unreachable. Malformed bytes raise `BlockFormatError`.
+        already held is not copied again: it becomes recently used and its row is refreshed.
+        Returns, per block, whether it is now held; all False (nothing kept) when the catalog is
+        unreachable. Malformed bytes raise `BlockFormatError`.
         """
         if representations is None:
             representations = [None] * len(blocks)
