@@ -47,6 +47,8 @@ MAX_REPRESENTATION_DIM = 16_000
 _DDL_LOCK_KEY = 0x7261796170706B76
 
 TABLE = "kv_blocks"
+# Rows per INSERT statement: 10 parameters a row stays far below the protocol's 65,535 per statement.
+_UPSERT_CHUNK_ROWS = 1000
 _NODE_INDEX = "kv_blocks_node_idx"
 
 
@@ -123,11 +125,12 @@ class CatalogSQL:
             "WHERE c.relname = %(table)s AND a.attname = 'representation' AND pg_table_is_visible(c.oid)"
         )
 
-    def upsert(self) -> str:
-        values = ", ".join(
-            "%(representation)s::vector" if c == "representation" else f"%({c})s" for c in _UPSERT_COLUMNS
-        )
-        insert = f"INSERT INTO {TABLE} ({', '.join(_UPSERT_COLUMNS)}, last_used) VALUES ({values}, now())"
+    def upsert(self, num_rows: int) -> str:
+        """One multi-row statement (a single round trip) for `num_rows` rows of positional parameters,
+        `_UPSERT_COLUMNS` in order per row."""
+        one = ", ".join("%s::vector" if c == "representation" else "%s" for c in _UPSERT_COLUMNS)
+        values = ", ".join([f"({one}, now())"] * num_rows)
+        insert = f"INSERT INTO {TABLE} ({', '.join(_UPSERT_COLUMNS)}, last_used) VALUES {values}"
         updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in _UPDATED_COLUMNS)
         if self.dialect is Dialect.OPENGAUSS:
             return f"{insert} ON DUPLICATE KEY UPDATE {updates}"
@@ -302,8 +305,7 @@ class Catalog:
                 self._retry_after_s,
             )  # fmt: skip
         if pool is not None:
-            # Broken connections need no graceful goodbye; do not wait on them.
-            pool.close(timeout=0)
+            pool.close()
 
     def _run(self, work: Callable[[psycopg.Connection, CatalogSQL], _T], default: _T) -> _T:
         if not self._ensure_ready():
@@ -313,33 +315,45 @@ class Catalog:
             return default
         try:
             with pool.connection() as conn:
-                return work(conn, sql)
-        except _UNREACHABLE as err:
-            with self._lock:
-                if self._pool is pool:
-                    self._disable_locked(err)
+                try:
+                    return work(conn, sql)
+                except _UNREACHABLE as err:
+                    # Close the pool before the broken connection goes back to it: a closed pool just
+                    # drops it, where an open one would log it and start reconnecting in the background.
+                    self._disable_if_current(pool, err)
+                    return default
+        except _UNREACHABLE as err:  # no connection could be had at all
+            self._disable_if_current(pool, err)
             return default
 
+    def _disable_if_current(self, pool: ConnectionPool, err: Exception) -> None:
+        with self._lock:
+            if self._pool is pool:
+                self._disable_locked(err)
+
     def upsert(self, rows: Iterable[BlockRow]) -> bool:
-        """Insert or update the rows (keyed by block hash and layer group) in one batch.
+        """Insert or update the rows (keyed by block hash and layer group) in one transaction.
 
         Returns False, writing nothing, when the database is unreachable.
         """
-        params: dict[tuple[int, int], dict[str, Any]] = {}
+        values: dict[tuple[int, int], tuple[Any, ...]] = {}
         for row in rows:
-            p = {c: getattr(row, c) for c in _UPSERT_COLUMNS}
-            p["block_hash"] = to_db_hash(row.block_hash)
-            p["parent_hash"] = None if row.parent_hash is None else to_db_hash(row.parent_hash)
+            v = {c: getattr(row, c) for c in _UPSERT_COLUMNS}
+            v["block_hash"] = to_db_hash(row.block_hash)
+            v["parent_hash"] = None if row.parent_hash is None else to_db_hash(row.parent_hash)
             if row.representation is not None:
-                p["representation"] = _vector_text(row.representation, self.representation_dim, "representation")
+                v["representation"] = _vector_text(row.representation, self.representation_dim, "representation")
             # One statement may not touch a key twice (both dialects refuse): the last write wins.
-            params[(p["block_hash"], row.layer_group)] = p
-        if not params:
+            values[(v["block_hash"], row.layer_group)] = tuple(v[c] for c in _UPSERT_COLUMNS)
+        if not values:
             return self.available
+        batch = list(values.values())
 
         def work(conn: psycopg.Connection, sql: CatalogSQL) -> bool:
-            with conn.cursor() as cur:
-                cur.executemany(sql.upsert(), list(params.values()))
+            with conn.transaction():
+                for i in range(0, len(batch), _UPSERT_CHUNK_ROWS):
+                    chunk = batch[i : i + _UPSERT_CHUNK_ROWS]
+                    conn.execute(sql.upsert(len(chunk)), [x for row in chunk for x in row])
             return True
 
         return self._run(work, False)

@@ -64,6 +64,13 @@ def test_chain_lookup_returns_the_present_prefix_in_one_match(catalog):
     assert catalog.longest_chain([]) == ChainMatch()
 
 
+def test_a_batch_larger_than_one_statement_is_written_whole(catalog):
+    hashes = chain(2500)
+    assert catalog.upsert(rows(hashes))
+    assert catalog.usage() == TierUsage(2500, 2500 * BLOCK_BYTES)
+    assert catalog.longest_chain(hashes).num_present == 2500
+
+
 def test_hashes_above_2_63_are_stored_and_found(catalog):
     big = [BlockHash((1 << 64) - 1), BlockHash(1 << 63), BlockHash(5)]
     assert catalog.upsert(rows(big, parent=BlockHash((1 << 64) - 2)))
@@ -141,26 +148,28 @@ def test_opengauss_is_detected_from_its_version_text():
 
 def test_opengauss_upserts_with_on_duplicate_key_update():
     og, pg = CatalogSQL(Dialect.OPENGAUSS, 8), CatalogSQL(Dialect.POSTGRESQL, 8)
-    upsert = og.upsert()
+    upsert = og.upsert(2)
     assert "ON DUPLICATE KEY UPDATE" in upsert and "ON CONFLICT" not in upsert
     # openGauss refuses to update key columns in ON DUPLICATE KEY UPDATE.
     updates = upsert.split("ON DUPLICATE KEY UPDATE", 1)[1]
     assert "block_hash =" not in updates and "layer_group =" not in updates and "created_at" not in updates
     assert "node_id = EXCLUDED.node_id" in updates and "last_used = EXCLUDED.last_used" in updates
-    assert pg.upsert().startswith(upsert.split(" ON DUPLICATE", 1)[0])
-    assert "ON CONFLICT (block_hash, layer_group) DO UPDATE SET " + updates.strip() in pg.upsert()
+    assert pg.upsert(2).startswith(upsert.split(" ON DUPLICATE", 1)[0])
+    assert "ON CONFLICT (block_hash, layer_group) DO UPDATE SET " + updates.strip() in pg.upsert(2)
     # DataVec's vector type is built in; only PostgreSQL needs the extension.
     assert og.create_extension() is None and pg.create_extension() == "CREATE EXTENSION IF NOT EXISTS vector"
     assert "vector(8)" in og.create_table() and "PRIMARY KEY (block_hash, layer_group)" in og.create_table()
     assert "<#> %(query)s::vector" in og.topk_inner_product()
+    # One statement for the whole batch: a VALUES tuple per row, each with one vector cast.
+    assert og.upsert(3).count("::vector, now())") == 3
 
 
 def test_every_value_is_a_parameter():
     sql = CatalogSQL(Dialect.OPENGAUSS, 8)
-    statements = [sql.upsert(), sql.locate(), sql.topk_inner_product(), sql.delete_node(),
+    statements = [sql.upsert(3), sql.locate(), sql.topk_inner_product(), sql.delete_node(),
                   sql.delete_hashes(guarded=True), sql.usage(per_node=True), sql.touch()]  # fmt: skip
     for statement in statements:
-        assert "%(" in statement
+        assert "%(" in statement or "%s" in statement
         # No quoted literal anywhere: values arrive as parameters only.
         assert "'" not in statement
 
