@@ -6,7 +6,9 @@ A 4K-token history of SmolLM2-135M is 256 blocks of 16 tokens, each block all 30
   (a) encode / decode: codec speed of one history, in the calling process;
   (b) put: a replica-like caller hands the history to its node's KVTierStore actor in one
       `put_many` (bytes into the object store, owned by the store, plus one catalog upsert batch);
-  (c) get: `get_many` for the history's refs, then `ray.get` of every block, raw and decoded;
+  (c) get: `get_many` for the history's refs, then `ray.get` of every block, raw and decoded; and
+      the whole load a replica would do: catalog lookup + `load_chain_sync` (fetch, decode, verify
+      hash, parent, tokens and tenant of every block);
   (d) catalog: `longest_chain` of a full 256-hash history against a table holding other rows too,
       p50 / p99 over many lookups (one SQL round trip each).
 
@@ -31,6 +33,7 @@ from rayapp.engine.kv_events import hash_blocks
 from rayapp.kvtier.catalog import BlockRow, Catalog
 from rayapp.kvtier.codec import KVBlock, decode_block, encode_block
 from rayapp.kvtier.embedded import start_embedded_database, stop_embedded_database
+from rayapp.kvtier.loader import load_chain_sync
 from rayapp.kvtier.store import get_or_create_store
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 30, 16, 3, 64
@@ -70,7 +73,7 @@ def main() -> None:
         store = get_or_create_store(dsn, DIM, capacity_bytes=(args.rounds + 1) * 100 << 20)
         catalog = Catalog(dsn, DIM)
 
-        encode_s, decode_s, put_s, get_raw_s, get_decoded_s, nbytes = [], [], [], [], [], 0
+        encode_s, decode_s, put_s, get_raw_s, get_decoded_s, load_s, nbytes = [], [], [], [], [], [], 0
         chains = []
         for r in range(args.rounds):
             blocks = history(r)
@@ -93,6 +96,13 @@ def main() -> None:
             t0 = time.perf_counter()
             decoded = [decode_block(a) for a in ray.get(ray.get(store.get_many.remote(hashes)))]
             get_decoded_s.append(time.perf_counter() - t0)
+            tokens = [t for b in blocks for t in b.token_ids]
+            t0 = time.perf_counter()
+            match = catalog.longest_chain(hashes)
+            loaded = load_chain_sync(match, tokens, BLOCK, ("smollm2-135m", f"tenant-{r}"))
+            load_s.append(time.perf_counter() - t0)
+            assert len(loaded) == len(blocks)
+            del loaded
             t0 = time.perf_counter()
             encoded_again = [encode_block(b) for b in decoded]
             t1 = time.perf_counter()
@@ -137,6 +147,7 @@ def main() -> None:
         ("put_many -> store actor (object store + catalog)", put_s),
         ("get_many + ray.get (zero-copy views)", get_raw_s),
         ("get_many + ray.get + decode to tensors", get_decoded_s),
+        ("lookup + load_chain_sync (fetch, decode, verify)", load_s),
         ("decode alone (codec)", decode_s),
     ):
         print(f"{name:<52}{med(times):>10.3f}{mb_per_s(nbytes, med(times)):>10.0f}")
