@@ -29,8 +29,7 @@ import numpy as np
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from rayapp.engine.kv_events import BlockHash
-from rayapp.kvtier.records import BlockLocation, BlockRow, ChainMatch, ScoredBlock, TierUsage
+from rayapp.kvtier.records import BlockLocation, BlockRow, ChainMatch, ScoredBlock, TierUsage, from_db_hash, to_db_hash
 
 logger = logging.getLogger("rayapp.kvtier")
 
@@ -39,8 +38,6 @@ logger = logging.getLogger("rayapp.kvtier")
 _UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.UndefinedTable)
 
 _T = TypeVar("_T")
-_U64 = 1 << 64
-_I63 = 1 << 63
 # pgvector and openGauss DataVec both cap a `vector` column at 16,000 dimensions.
 MAX_REPRESENTATION_DIM = 16_000
 # Serializes the DDL of concurrent first starts (two stores creating the table at once).
@@ -50,18 +47,6 @@ TABLE = "kv_blocks"
 # Rows per INSERT statement: 10 parameters a row stays far below the protocol's 65,535 per statement.
 _UPSERT_CHUNK_ROWS = 1000
 _NODE_INDEX = "kv_blocks_node_idx"
-
-
-def to_db_hash(block_hash: int) -> int:
-    """An unsigned 64-bit block hash as the signed BIGINT with the same bits."""
-    if not 0 <= block_hash < _U64:
-        raise ValueError(f"block hash {block_hash} is not an unsigned 64-bit value")
-    return block_hash - _U64 if block_hash >= _I63 else block_hash
-
-
-def from_db_hash(value: int) -> BlockHash:
-    """The inverse of `to_db_hash`."""
-    return BlockHash(value + _U64 if value < 0 else value)
 
 
 class Dialect(enum.Enum):

@@ -1,4 +1,5 @@
-"""The small named types the catalog takes and returns (see `rayapp.kvtier.catalog`)."""
+"""The small named types the catalog takes and returns (see `rayapp.kvtier.catalog`), and the
+mapping of rayapp's unsigned 64-bit block hashes onto the database's signed BIGINT."""
 
 from __future__ import annotations
 
@@ -8,6 +9,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayapp.engine.kv_events import BlockHash
+
+_U64 = 1 << 64
+_I63 = 1 << 63
+
+
+def to_db_hash(block_hash: int) -> int:
+    """An unsigned 64-bit block hash as the signed BIGINT with the same bits."""
+    if not 0 <= block_hash < _U64:
+        raise ValueError(f"block hash {block_hash} is not an unsigned 64-bit value")
+    return block_hash - _U64 if block_hash >= _I63 else block_hash
+
+
+def from_db_hash(value: int) -> BlockHash:
+    """The inverse of `to_db_hash`."""
+    return BlockHash(value + _U64 if value < 0 else value)
 
 
 @dataclass(frozen=True)
