@@ -169,6 +169,10 @@ def test_a_restarted_store_drops_the_rows_it_no_longer_backs(store, catalog, dsn
 def test_database_down_disables_the_tier_once_and_calls_keep_working(cluster, tmp_path, caplog):
     db = EmbeddedPostgres(tmp_path / "db", port=_free_port("127.0.0.1"))
     dsn = db.start()
+    # The store as an actor, as replicas reach it, and in-process (where its log can be read).
+    actor = ray.remote(KVTierStore).options(num_cpus=0).remote(dsn, DIM, 8 * BLOCK_BYTES, {"retry_after_s": 3600.0})
+    assert ray.get(actor.put.remote(encoded_chain(1, "actor")[0]))
+    # Two stores on one node break the one-per-node rule: this one's start wipes the actor's row, not its bytes.
     store = KVTierStore(dsn, DIM, 8 * BLOCK_BYTES, {"retry_after_s": 0.0, "connect_timeout_s": 2})
     lookup = Catalog(dsn, DIM, retry_after_s=3600.0)
     hashes = chain_hashes(2, "down")
@@ -177,6 +181,9 @@ def test_database_down_disables_the_tier_once_and_calls_keep_working(cluster, tm
     assert lookup.longest_chain(hashes).num_present == 1
 
     db.stop()
+    assert ray.get(actor.put.remote(blocks[1])) is False
+    assert ray.get(actor.get.remote(chain_hashes(1, "actor")[0])) is not None
+    assert ray.get(actor.stats.remote()).catalog_available is False
     with caplog.at_level(logging.WARNING):
         assert store.put(blocks[1]) is False
         assert store.put_many(blocks) == [False, False]
