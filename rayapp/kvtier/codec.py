@@ -100,6 +100,8 @@ def encode_block(block: KVBlock) -> bytes:
             f"key and value must share one 4-d shape and dtype, got {tuple(k.shape)} {k.dtype} "
             f"and {tuple(v.shape)} {v.dtype}"
         )
+    if k.numel() == 0:
+        raise ValueError(f"key and value of shape {tuple(k.shape)} hold no elements")
     if k.dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype {k.dtype} is not supported; use one of {sorted(DTYPES)}")
     if len(block.token_ids) != k.shape[1]:

@@ -129,5 +129,8 @@ def test_encode_refuses_inconsistent_blocks():
     with pytest.raises(ValueError, match="not supported"):
         ints = torch.zeros(SHAPE, dtype=torch.int8)
         encode_block(KVBlock(block.block_hash, None, block.token_ids, "m", ints, ints))
+    with pytest.raises(ValueError, match="no elements"):
+        empty = torch.zeros((0, 16, 3, 64), dtype=torch.bfloat16)
+        encode_block(KVBlock(block.block_hash, None, block.token_ids, "m", empty, empty))
     with pytest.raises(ValueError, match="unsigned 64-bit"):
         encode_block(KVBlock(BlockHash(1 << 64), None, block.token_ids, "m", block.key, block.value))
