@@ -166,8 +166,16 @@ def test_a_restarted_store_drops_the_rows_it_no_longer_backs(store, catalog, dsn
     assert catalog.usage() == TierUsage(0, 0)
 
 
-def test_database_down_disables_the_tier_once_and_calls_keep_working(cluster, tmp_path, caplog):
+@pytest.fixture
+def private_database(tmp_path) -> EmbeddedPostgres:
+    """A database of this test's own, on a fixed port so that a restart keeps its DSN."""
     db = EmbeddedPostgres(tmp_path / "db", port=_free_port("127.0.0.1"))
+    yield db
+    db.stop()
+
+
+def test_database_down_disables_the_tier_once_and_calls_keep_working(cluster, private_database, caplog):
+    db = private_database
     dsn = db.start()
     # The store as an actor, as replicas reach it, and in-process (where its log can be read).
     actor = ray.remote(KVTierStore).options(num_cpus=0).remote(dsn, DIM, 8 * BLOCK_BYTES, {"retry_after_s": 3600.0})
@@ -203,12 +211,17 @@ def test_database_down_disables_the_tier_once_and_calls_keep_working(cluster, tm
     assert db.start() == dsn  # back on the same port: the store (retry delay 0) reconnects
     assert store.put(blocks[1])
     assert lookup.longest_chain(hashes) == ChainMatch()  # still inside its hour-long retry delay
-    db.stop()
 
 
-def test_embedded_database_actor_starts_once_and_stops(cluster, tmp_path):
+@pytest.fixture
+def cluster_database(tmp_path):
+    yield tmp_path / "cluster-db"
+    stop_embedded_database()  # a no-op when the test stopped it already
+
+
+def test_embedded_database_actor_starts_once_and_stops(cluster, cluster_database, tmp_path):
     with ThreadPoolExecutor(2) as pool:  # racing first callers share one actor and one server
-        dsns = list(pool.map(start_embedded_database, [tmp_path / "cluster-db"] * 2))
+        dsns = list(pool.map(start_embedded_database, [cluster_database] * 2))
     dsn = dsns[0]
     assert dsns[1] == dsn
     assert start_embedded_database(tmp_path / "ignored") == dsn
@@ -217,5 +230,5 @@ def test_embedded_database_actor_starts_once_and_stops(cluster, tmp_path):
     assert catalog.available and catalog.usage() == TierUsage()
     catalog.close()
     assert stop_embedded_database()
-    assert not EmbeddedPostgres(tmp_path / "cluster-db").is_running()
+    assert not EmbeddedPostgres(cluster_database).is_running()
     assert not stop_embedded_database()
