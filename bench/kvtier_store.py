@@ -21,6 +21,7 @@ is measured in this run.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -137,6 +138,7 @@ def main() -> None:
     finally:
         stop_embedded_database()
         ray.shutdown()
+        shutil.rmtree(data_dir, ignore_errors=True)
 
     med = statistics.median
     print(f"\n4K-token SmolLM2 history: {HISTORY_TOKENS // BLOCK} blocks, {nbytes / 1e6:.1f} MB encoded; "
