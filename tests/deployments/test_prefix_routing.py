@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import time
 
 import httpx
 import pytest
 import ray
-from ray import serve
 
 from rayapp.config import AppConfig
-from rayapp.deployments.builder import build
 from rayapp.prefix_router.actor import prefix_index
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -27,21 +24,10 @@ SYSTEM = {"role": "system", "content": "You are a concise assistant. Answer in o
 TOPICS = ["rivers", "volcanoes", "bridges", "owls", "glaciers", "violins"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def base_url():
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build(CONFIG), name="rayapp", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+def base_url(serve_app):
+    with serve_app(CONFIG) as url:
+        yield url
 
 
 def _opening(topic: str) -> dict[str, str]:
@@ -154,14 +140,14 @@ def test_tenants_share_no_pages_and_are_not_routed_by_each_others_prompts(base_u
     assert alice_again["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // 16 * 16
 
 
-async def _busy_replica(client: httpx.AsyncClient) -> str:
-    """A replica running requests right now (from the engines' `num_running` on /metrics)."""
+async def _busy_replica(client: httpx.AsyncClient, running: int) -> str:
+    """The busiest replica once the engines report `running` requests in all (`num_running` on /metrics)."""
     deadline = time.monotonic() + 120
     while True:
         text = (await client.get("/metrics")).text
-        busy = [r for r, n in re.findall(r'^rayapp_num_running{replica="(\w+)"} (\S+)$', text, re.M) if float(n)]
-        if busy:
-            return busy[0]
+        load = {r: float(n) for r, n in re.findall(r'^rayapp_num_running{replica="(\w+)"} (\S+)$', text, re.M)}
+        if sum(load.values()) >= running:
+            return max(load, key=load.get)
         assert time.monotonic() < deadline, "no replica ever ran the requests"
         await asyncio.sleep(0.1)
 
@@ -175,7 +161,7 @@ def test_killed_replica_costs_no_request_and_leaves_the_index(base_url):
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
             talks = [asyncio.ensure_future(_conversation(client, t, 2, True, 64, ignore_eos=True)) for t in TOPICS]
             # Take a replica away while it streams answers.
-            victim_id = await _busy_replica(client)
+            victim_id = await _busy_replica(client, running=len(TOPICS))
             assert victim_id in ray.get(index.replicas.remote())
             victim = next(name for name in _replica_actors() if name.endswith(f"#{victim_id}"))
             ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)

@@ -9,39 +9,24 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 
 import httpx
 import openai
 import pytest
-import ray
-from ray import serve
 
 from rayapp import LLM, SamplingParams
 from rayapp.config import AppConfig
-from rayapp.deployments.builder import build
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 CONFIG = AppConfig(dtype="float32", api_keys=[KEY], max_queued_requests=40, kv_cache_memory_gb=0.5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def base_url():
-    port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build(CONFIG), name="rayapp", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+def base_url(serve_app):
+    with serve_app(CONFIG) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
