@@ -2,7 +2,7 @@
 PrefixCacheAffinityRouter, on the same deployment and workload, in one run.
 
 For each policy this starts a fresh Serve application from the same builder `rayapp.config.yaml` uses
-(2 replicas of SmolLM2-135M-Instruct, bfloat16, `num_cpus` 0.5 each so both fit this machine), only
+(`--replicas`, default 2, of SmolLM2-135M-Instruct, bfloat16, sharing this machine's CPUs), only
 `router.request_router_class` differing, and sends the multi-turn load of `bench/serve_multiturn.py`:
 C conversations x T turns (default 16 x 6), all conversations concurrent, turns in order; each turn
 re-sends the shared ~300-token system prompt plus the conversation's history and streams the answer
@@ -113,8 +113,8 @@ def measure(policy: str, args: argparse.Namespace) -> dict[str, float]:
     try:
         config = AppConfig(
             dtype="bfloat16",
-            replicas=2,
-            num_cpus=0.5,
+            replicas=args.replicas,
+            num_cpus=1 / args.replicas,
             kv_cache_memory_gb=1.0,
             router=router,
         )
@@ -136,6 +136,7 @@ def measure(policy: str, args: argparse.Namespace) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, default=2, help="replicas sharing this machine's 2 CPUs")
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -155,7 +156,7 @@ def main() -> None:
     ray.shutdown()
     print(
         f"\n{args.conversations} conversations x {args.turns} turns, max_tokens {args.max_tokens}, "
-        f"~{args.context_tokens}-token documents, {args.shared} shared system-prompt tokens, 2 replicas"
+        f"~{args.context_tokens}-token documents, {args.shared} shared system-prompt tokens, {args.replicas} replicas"
     )
     print(f"{'policy':>9} | hit rate | history hit rate | TTFT p50 ms | TTFT p90 ms | out tok/s")
     for policy, r in results.items():
