@@ -1,4 +1,4 @@
-"""Request routing across 2 replicas: rayapp's PrefixAwareRouter vs Serve's power-of-two vs Ray Serve LLM's
+"""Request routing across replicas: rayapp's PrefixAwareRouter vs Serve's power-of-two vs Ray Serve LLM's
 PrefixCacheAffinityRouter, on the same deployment and workload, in one run.
 
 For each policy this starts a fresh Serve application from the same builder `rayapp.config.yaml` uses
