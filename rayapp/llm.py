@@ -98,17 +98,11 @@ class LLM:
 
 
 def connect_tier(engine: LLMEngine) -> Any:
-    """A `KVTierClient` for `engine`, attached to it; initializes Ray in this process when needed."""
+    """A `KVTierClient` attached to `engine`; initializes Ray in this process when needed."""
     import ray
 
-    from rayapp.kvtier.client import KVTierClient
+    from rayapp.kvtier.client import attach_tier
 
     if not ray.is_initialized():
         ray.init(include_dashboard=False)
-    spec = engine.spec
-    # The catalog's representation column holds one vector per KV head (sparse retrieval's mean keys).
-    tier = KVTierClient(
-        engine.config.kvtier, engine.model_id, engine.block_manager.block_size, spec.num_kv_heads * spec.head_dim
-    )
-    engine.attach_tier(tier)
-    return tier
+    return attach_tier(engine)

@@ -18,6 +18,7 @@ import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
@@ -31,6 +32,9 @@ from rayapp.kvtier.embedded import start_embedded_database
 from rayapp.kvtier.loader import load_chain_sync
 from rayapp.kvtier.records import ChainMatch
 from rayapp.kvtier.store import get_or_create_store
+
+if TYPE_CHECKING:
+    from rayapp.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("rayapp.kvtier")
 
@@ -163,3 +167,14 @@ class KVTierClient:
                 parent = hashes[first - 1] if first else stored.parent_block_hash
                 tokens = stored.token_ids[first * bs : (first + n) * bs]
                 self._events.append(BlockStored(tuple(hashes[first : first + n]), parent, tokens, bs, CLUSTER_TIER))
+
+
+def attach_tier(engine: LLMEngine) -> KVTierClient:
+    """Connect `engine` to the cluster tier its `config.kvtier` names (Ray must be initialized)."""
+    spec = engine.spec
+    # The catalog's representation column holds one vector per KV head (sparse retrieval's mean keys).
+    tier = KVTierClient(
+        engine.config.kvtier, engine.model_id, engine.block_manager.block_size, spec.num_kv_heads * spec.head_dim
+    )
+    engine.attach_tier(tier)
+    return tier
