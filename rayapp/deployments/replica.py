@@ -91,6 +91,11 @@ class LLMReplica:
     async def stats(self) -> dict[str, int]:
         return self.engine.stats()
 
+    async def flush_tier(self) -> None:
+        """Return once every block this replica queued for the cluster KV tier is written (no-op without one)."""
+        if self.tier is not None:
+            await asyncio.to_thread(self.tier.flush)
+
     async def _push_metrics(self) -> None:
         while True:
             with contextlib.suppress(Exception):  # metrics must never take a replica down
