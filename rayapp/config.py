@@ -73,45 +73,12 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
-class KVTierConfig:
-    """The cluster KV tier (`rayapp.kvtier`): blocks in the Ray object store, catalogued in a database."""
-
-    # Off by default: a database must not start for every `LLM()`; a user turns the tier on.
-    enabled: bool = False
-    # None: rayapp starts an embedded PostgreSQL + pgvector once per cluster; set: that server (openGauss in
-    # production), e.g. "host=db port=5432 dbname=rayapp user=rayapp password=..." or "postgresql://...".
-    dsn: str | None = None
-    # Bytes of blocks each node's KVTierStore keeps before evicting the least recently used; keep it below the
-    # node's Ray object store memory.
-    capacity_bytes: int = 2 << 30
-    # Data directory of the embedded database; None: a folder in the system temp dir. Ignored with a dsn.
-    data_dir: str | None = None
-    # A prompt's run of tier blocks is loaded instead of recomputed only when it covers at least this many
-    # tokens more than the local prefix cache. Measured by bench/kvtier.py (SmolLM2-135M bf16, 2 shared CPU
-    # cores, 4K history): recompute 6.9 ms/token = 110 ms/block; load 0.7 ms/block + 3.2 ms fixed per load
-    # (catalog round trip, get_many, verify, install). Loading pays from a fraction of one block, so one block
-    # (16 tokens) is the threshold. On an accelerator recompute is ~100x cheaper per block: raise it there.
-    min_load_tokens: int = 16
-
-    def __post_init__(self) -> None:
-        if self.dsn is not None and not self.dsn.strip():
-            raise ValueError("kvtier.dsn is empty; unset it for the embedded database or give a PostgreSQL DSN")
-        if self.capacity_bytes < 1:
-            raise ValueError(f"kvtier.capacity_bytes={self.capacity_bytes} must be >= 1 (bytes per node)")
-        if self.data_dir is not None and not self.data_dir.strip():
-            raise ValueError("kvtier.data_dir is empty; unset it for the default or name a directory")
-        if self.dsn is not None and self.data_dir is not None:
-            raise ValueError("kvtier.data_dir is for the embedded database; unset it when kvtier.dsn is set")
-        if self.min_load_tokens < 1:
-            raise ValueError(f"kvtier.min_load_tokens={self.min_load_tokens} must be >= 1")
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kvtier: KVTierConfig = field(default_factory=KVTierConfig)
+    # A lambda: KVTierConfig is defined at the end of this module.
+    kvtier: KVTierConfig = field(default_factory=lambda: KVTierConfig())
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -260,3 +227,37 @@ class AppConfig(BaseModel):
         elif kind == "npu":
             options["resources"] = {"NPU": 1}
         return options
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    """The cluster KV tier (`rayapp.kvtier`): blocks in the Ray object store, catalogued in a database."""
+
+    # Off by default: a database must not start for every `LLM()`; a user turns the tier on.
+    enabled: bool = False
+    # None: rayapp starts an embedded PostgreSQL + pgvector once per cluster; set: that server (openGauss in
+    # production), e.g. "host=db port=5432 dbname=rayapp user=rayapp password=..." or "postgresql://...".
+    dsn: str | None = None
+    # Bytes of blocks each node's KVTierStore keeps before evicting the least recently used; keep it below the
+    # node's Ray object store memory.
+    capacity_bytes: int = 2 << 30
+    # Data directory of the embedded database; None: a folder in the system temp dir. Ignored with a dsn.
+    data_dir: str | None = None
+    # A prompt's run of tier blocks is loaded instead of recomputed only when it covers at least this many
+    # tokens more than the local prefix cache. Measured by bench/kvtier.py (SmolLM2-135M bf16, 2 shared CPU
+    # cores, 4K history): recompute 6.9 ms/token = 110 ms/block; load 0.7 ms/block + 3.2 ms fixed per load
+    # (catalog round trip, get_many, verify, install). Loading pays from a fraction of one block, so one block
+    # (16 tokens) is the threshold. On an accelerator recompute is ~100x cheaper per block: raise it there.
+    min_load_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.dsn is not None and not self.dsn.strip():
+            raise ValueError("kvtier.dsn is empty; unset it for the embedded database or give a PostgreSQL DSN")
+        if self.capacity_bytes < 1:
+            raise ValueError(f"kvtier.capacity_bytes={self.capacity_bytes} must be >= 1 (bytes per node)")
+        if self.data_dir is not None and not self.data_dir.strip():
+            raise ValueError("kvtier.data_dir is empty; unset it for the default or name a directory")
+        if self.dsn is not None and self.data_dir is not None:
+            raise ValueError("kvtier.data_dir is for the embedded database; unset it when kvtier.dsn is set")
+        if self.min_load_tokens < 1:
+            raise ValueError(f"kvtier.min_load_tokens={self.min_load_tokens} must be >= 1")
