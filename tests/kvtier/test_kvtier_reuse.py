@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import ray
+import torch
 
 from rayapp import LLM, SamplingParams
 from rayapp.engine.kv_events import CLUSTER_TIER, BlockStored, hash_blocks
@@ -85,6 +86,16 @@ def test_prefill_and_decode_blocks_are_written_and_announced_for_the_router(engi
     assert len(expected) > 100 // 16
     assert [h for e in events for h in e.block_hashes] == expected
     assert b.tier.catalog.longest_chain(expected).num_present == len(expected)
+    # The same blocks computed again (say, by another engine after eviction) are not sent twice.
+    written, skipped = b.tier.counters["written_blocks"], b.tier.counters["skipped_blocks"]
+    first = events[0]
+    n = len(first.block_hashes)
+    pool = b.engine.runner.k_cache
+    copy = torch.zeros(pool.shape[0], n, *pool.shape[2:], dtype=pool.dtype)
+    b.tier.write(first, "", copy, copy)
+    b.tier.flush()
+    assert b.tier.counters["written_blocks"] == written and b.tier.counters["skipped_blocks"] == skipped + n
+    assert b.tier.take_events() == []
 
 
 def test_requests_succeed_after_the_database_stops(engines, caplog):
