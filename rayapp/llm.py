@@ -20,12 +20,24 @@ class LLM:
     `model=None` is the shipped SmolLM2-135M-Instruct; any other value is a Hugging Face
     safetensors directory of the Llama / Qwen2 family. Further keyword options are engine
     settings (`block_size`, `num_pages`, `kv_cache_memory_gb`, `enable_prefix_caching`,
-    `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`).
+    `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`), and `kvtier`: a dict of
+    `KVTierConfig` fields. With `kvtier={"enabled": True}` full KV blocks are shared through the
+    cluster tier (Ray is initialized here if it is not; with no `dsn` an embedded PostgreSQL is
+    started), so several `LLM`s, in this program or others on the cluster, reuse each other's prefixes.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu", **options: Any) -> None:
         self.engine = LLMEngine.from_options(model=model, dtype=dtype, device=device, **options)
         self._ids = itertools.count()
+        self.tier: Any = None
+        if self.engine.config.kvtier.enabled:
+            self.tier = connect_tier(self.engine)
+
+    def close(self) -> None:
+        """Finish writing blocks to the cluster tier and disconnect from it (no-op without a tier)."""
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
@@ -74,6 +86,7 @@ class LLM:
             self.engine.prepare_request(f"offline-{next(self._ids)}", params=p, **x) for x, p in zip(inputs, params)
         ]
         for request in requests:
+            self.engine.load_from_tier(request)
             self.engine.enqueue(request)
         order = {r.seq.seq_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
@@ -82,3 +95,14 @@ class LLM:
                 if out.finished:
                     results[order[out.request_id]] = out
         return [r for r in results if r is not None]
+
+
+def connect_tier(engine: LLMEngine) -> Any:
+    """A `KVTierClient` attached to `engine`; initializes Ray in this process when needed."""
+    import ray
+
+    from rayapp.kvtier.client import attach_tier
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False)
+    return attach_tier(engine)

@@ -33,6 +33,11 @@ class LLMReplica:
     def __init__(self, app_config: dict[str, Any], engine_cls: type = AsyncLLMEngine) -> None:
         self.config = AppConfig(**app_config)
         self.engine = engine_cls.from_config(self.config.engine_config())
+        self.tier: Any = None
+        if self.config.kvtier.enabled:
+            from rayapp.kvtier.client import attach_tier  # psycopg and the tier only where the tier is on
+
+            self.tier = attach_tier(self.engine.engine)
         context = serve.get_replica_context()
         self.app_name, self.replica = context.app_name, context.replica_id.unique_id
         self.metrics = ReplicaMetrics(self.replica)
@@ -86,6 +91,11 @@ class LLMReplica:
     async def stats(self) -> dict[str, int]:
         return self.engine.stats()
 
+    async def flush_tier(self) -> None:
+        """Return once every block this replica queued for the cluster KV tier is written (no-op without one)."""
+        if self.tier is not None:
+            await asyncio.to_thread(self.tier.flush)
+
     async def _push_metrics(self) -> None:
         while True:
             with contextlib.suppress(Exception):  # metrics must never take a replica down
@@ -99,3 +109,5 @@ class LLMReplica:
         self._hub.remove.remote(self.replica)
         self._index.remove_replica.remote(self.replica)
         self.engine.shutdown()
+        if self.tier is not None:
+            self.tier.close()

@@ -64,7 +64,10 @@ class AsyncLLMEngine:
         request = self.engine.prepare_request(request_id, prompt, params, prompt_token_ids, cache_salt, block_hashes)
         out_queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
-        self._submit(lambda: self.engine.enqueue(request))
+        if self.engine.kv_transfer is not None:
+            await self._enqueue_with_tier(request)
+        else:
+            self._submit(lambda: self.engine.enqueue(request))
         finished = False
         try:
             while not finished:
@@ -114,6 +117,20 @@ class AsyncLLMEngine:
 
         self._submit(command)
         return await asyncio.wrap_future(done)
+
+    async def _enqueue_with_tier(self, request: Any) -> None:
+        """Queue `request` after putting the prompt's blocks the cluster tier holds beyond the local prefix
+        into cached pages. The local match, and the install with the enqueue (one command, so no step can
+        evict the pages in between), run on the engine thread; the fetch on a worker thread, since it waits
+        on the catalog and the object store, which must block neither the step loop nor the event loop."""
+        plan = await self._call(lambda: self.engine.plan_tier_load(request))
+        blocks = await asyncio.to_thread(self.engine.fetch_from_tier, request, plan)
+
+        def install_and_enqueue() -> None:
+            self.engine.install_from_tier(request, plan, blocks)
+            self.engine.enqueue(request)
+
+        self._submit(install_and_enqueue)
 
     def shutdown(self) -> None:
         """Stop the step loop; requests still running get an error."""

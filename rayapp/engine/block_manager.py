@@ -12,7 +12,7 @@ Invariants (checked by `check_invariants`):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -148,6 +148,9 @@ class BlockManager:
         # a decode step looks only at new blocks instead of rescanning the whole table.
         self._num_handled_blocks: dict[str, int] = {}
         self._events: list[KVEvent] = []
+        # Called with each BlockStored this manager emits for computed blocks and the sequence's cache salt
+        # (the cluster tier's write-through); not for blocks adopted from the tier.
+        self.on_stored: Callable[[BlockStored, str], None] | None = None
 
     @property
     def num_free_pages(self) -> int:
@@ -396,4 +399,56 @@ class BlockManager:
         bs, hashes = self.block_size, seq.block_hashes
         parent = hashes[run[0] - 1] if run[0] else None
         tokens = tuple(seq.token_ids[run[0] * bs : (run[-1] + 1) * bs])
-        self._events.append(BlockStored(tuple(hashes[i] for i in run), parent, tokens, bs))
+        event = BlockStored(tuple(hashes[i] for i in run), parent, tokens, bs)
+        self._events.append(event)
+        if self.on_stored is not None:
+            self.on_stored(event, seq.cache_salt)
+
+    def cached_page(self, block_hash: BlockHash) -> int | None:
+        """The page caching `block_hash`, or None."""
+        page = self._cached.get(block_hash)
+        return None if page is None else page.page_id
+
+    def adopt_cached_blocks(
+        self,
+        block_hashes: list[BlockHash],
+        parent: BlockHash | None,
+        token_ids: list[tuple[int, ...]],
+        keep: tuple[int, ...] = (),
+    ) -> list[int]:
+        """Register a chain of full blocks whose KV the caller writes into the returned pages right away
+        (blocks loaded from the cluster tier), as cached free pages, so the next `match_prefix` hits them.
+
+        `block_hashes` chain on `parent`. Takes LRU free pages (evicting their blocks); adopts the leading
+        blocks that are not cached yet, at most as many as pages are free. The chain's head ends most
+        recently freed, so it is evicted last, as `free` would leave it. Emits one `BlockStored`. The pages
+        `keep` (the local prefix the chain continues) are not evicted for it and end more recent still.
+        """
+        kept = [self._pages[pid] for pid in keep]
+        for page in kept:
+            self._take_ref(page)
+        n = 0
+        while self.enable_prefix_caching and n < min(len(block_hashes), len(self._free)):
+            if block_hashes[n] in self._cached:
+                break
+            n += 1
+        pages = [self._pages[pid] for pid in self._pop_free_pages(n)]
+        for i in reversed(range(n)):
+            page = pages[i]
+            page.block_hash = block_hashes[i]
+            page.parent_hash = block_hashes[i - 1] if i else parent
+            page.token_ids = tuple(token_ids[i])
+            self._cached[page.block_hash] = page
+            page.ref_count = 0
+            self._free.append(page)
+            self._num_cached_free += 1
+        for page in reversed(kept):
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                self._free.append(page)
+                if page.block_hash is not None:
+                    self._num_cached_free += 1
+        if pages:
+            tokens = tuple(t for ids in token_ids[: len(pages)] for t in ids)
+            self._events.append(BlockStored(tuple(block_hashes[: len(pages)]), parent, tokens, self.block_size))
+        return [page.page_id for page in pages]

@@ -16,6 +16,8 @@ from typing import NewType
 BlockHash = NewType("BlockHash", int)
 
 DEVICE_TIER = "device"
+# Blocks in the cluster KV tier (`rayapp.kvtier`): loadable by every replica, not only the one announcing them.
+CLUSTER_TIER = "cluster"
 
 # Versioned, so a change of packing can never match hashes made by an older replica.
 _HASH_PERSON = b"rayapp-kv-v1"

@@ -10,6 +10,7 @@ from rayapp.config import EngineConfig
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.detokenizer import IncrementalDetokenizer
 from rayapp.engine.kv_events import AllCleared, BlockHash, KVEvent
+from rayapp.engine.kv_transfer import KVTransfer, TierBlock, TierPlan, TierPort
 from rayapp.engine.model_runner import ModelRunner
 from rayapp.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rayapp.engine.sampler import make_generator
@@ -31,6 +32,8 @@ class Request:
     detokenizer: IncrementalDetokenizer
     max_new_tokens: int
     counted_cached: bool = False
+    # Prompt tokens [start, end) whose pages were loaded from the cluster tier for this request.
+    tier_tokens: tuple[int, int] = (0, 0)
 
 
 class LLMEngine:
@@ -60,7 +63,10 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self._requests: dict[str, Request] = {}
         self._counters = {"num_requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
+        self._counters["tier_loaded_tokens"] = 0  # of the cached prompt tokens, those loaded from the cluster tier
         self._num_preemptions = 0
+        # Set by `attach_tier`: the cluster KV tier, given by the caller (the engine does not import Ray).
+        self.kv_transfer: KVTransfer | None = None
 
     @classmethod
     def from_options(cls, **options: Any) -> LLMEngine:
@@ -165,6 +171,8 @@ class LLMEngine:
             if not req.counted_cached:
                 req.counted_cached = True
                 self._counters["cached_prompt_tokens"] += seq.num_cached_tokens
+                start, end = req.tier_tokens
+                self._counters["tier_loaded_tokens"] += max(0, min(end, seq.num_cached_tokens) - start)
             if token is not None:
                 outputs.append(self._append(req, token))
         return outputs
@@ -214,8 +222,9 @@ class LLMEngine:
         )
 
     def take_kv_events(self) -> list[KVEvent]:
-        """KV cache events since the last call (for the prefix router)."""
-        return self.block_manager.take_events()
+        """KV cache events since the last call (for the prefix router), blocks written to the cluster tier last."""
+        events = self.block_manager.take_events()
+        return events if self.kv_transfer is None else [*events, *self.kv_transfer.take_events()]
 
     def kv_snapshot(self) -> list[KVEvent]:
         """`AllCleared`, then one `BlockStored` per cached block: the whole cache as events.
@@ -239,3 +248,27 @@ class LLMEngine:
             "pages_used": bm.num_used_pages,
             "page_size": bm.block_size,
         }
+
+    def attach_tier(self, tier: TierPort) -> None:
+        """Share KV blocks with a cluster tier: write full blocks through to it, load from it on a local miss."""
+        self.kv_transfer = KVTransfer(self.runner, self.block_manager, tier)
+
+    def plan_tier_load(self, request: Request) -> TierPlan | None:
+        """Engine thread: how much of the prompt the local cache serves; None without a tier."""
+        return None if self.kv_transfer is None else self.kv_transfer.plan(request.seq)
+
+    def fetch_from_tier(self, request: Request, plan: TierPlan | None) -> list[TierBlock]:
+        """Any thread (blocking): the tier blocks that continue the local prefix, when loading beats recompute."""
+        if self.kv_transfer is None or plan is None:
+            return []
+        return self.kv_transfer.fetch(request.seq, plan)
+
+    def install_from_tier(self, request: Request, plan: TierPlan | None, blocks: list[TierBlock]) -> None:
+        """Engine thread, right before `enqueue`: put fetched blocks into cached pages the prefix match hits."""
+        if self.kv_transfer is not None and plan is not None and blocks:
+            request.tier_tokens = self.kv_transfer.install(request.seq, plan, blocks)
+
+    def load_from_tier(self, request: Request) -> None:
+        """`plan_tier_load`, `fetch_from_tier` and `install_from_tier` in one go, for the engine's own thread."""
+        plan = self.plan_tier_load(request)
+        self.install_from_tier(request, plan, self.fetch_from_tier(request, plan))

@@ -14,11 +14,15 @@ import time
 import ray
 
 from rayapp.config import RouterConfig
-from rayapp.engine.kv_events import DEVICE_TIER, BlockHash, KVEvent
+from rayapp.engine.kv_events import CLUSTER_TIER, DEVICE_TIER, BlockHash, BlockStored, KVEvent
 from rayapp.prefix_router.index import PrefixIndex
 from rayapp.prefix_router.policy import Holding
 
 NAMESPACE = "rayapp"
+# The pseudo-replica holding the blocks of the cluster KV tier: every replica can load them. Replicas
+# announce the blocks they wrote there as `BlockStored(..., tier="cluster")`; those stay after the replica
+# leaves (a scaled-down replica's history stays loadable) and age out of the index by its LRU bound.
+CLUSTER_HOLDER = "@cluster-tier"
 
 
 class PrefixIndexService:
@@ -36,20 +40,33 @@ class PrefixIndexService:
         if batch != 0 and batch != self._next_batch.get(replica):
             self.remove_replica(replica)
             return False
-        self.index.apply(replica, events)
+        cluster = [e for e in events if isinstance(e, BlockStored) and e.tier == CLUSTER_TIER]
+        self.index.apply(replica, [e for e in events if not (isinstance(e, BlockStored) and e.tier == CLUSTER_TIER)])
+        self.index.apply(CLUSTER_HOLDER, cluster)
         self._next_batch[replica] = batch + 1
         self._last_heard[replica] = time.monotonic()
         return True
 
     def match(self, block_hashes: list[BlockHash], replicas: list[str]) -> dict[str, Holding]:
-        """Leading blocks of the request each of `replicas` holds (replicas holding none are absent)."""
+        """Leading blocks of the request each of `replicas` holds (replicas holding none are absent).
+
+        Blocks in the cluster tier count for every replica, as off-device (loadable) blocks past the ones
+        it holds itself: both runs start at the first block, so together they cover the longer one.
+        """
         self._drop_silent()
         wanted = set(replicas)
-        return {
-            r: Holding(o.blocks, sum(t != DEVICE_TIER for t in o.tiers))
-            for r, o in self.index.match(block_hashes).items()
-            if r in wanted
+        overlaps = self.index.match(block_hashes)
+        held = {
+            r: Holding(o.blocks, sum(t != DEVICE_TIER for t in o.tiers)) for r, o in overlaps.items() if r in wanted
         }
+        cluster = overlaps.get(CLUSTER_HOLDER)
+        if cluster is None:
+            return held
+        for r in replicas:
+            own = held.get(r, Holding(0))
+            if cluster.blocks > own.blocks:
+                held[r] = Holding(cluster.blocks, own.offloaded + cluster.blocks - own.blocks)
+        return held
 
     def remove_replica(self, replica: str) -> None:
         """Forget a replica (it stopped, died, or must resend a snapshot)."""

@@ -1,4 +1,4 @@
-"""KVTierConfig: defaults that start the embedded database, and errors that say what to change."""
+"""KVTierConfig: off by default, the embedded database when on without a dsn, errors that say what to change."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from rayapp.config import KVTierConfig
+from rayapp.config import AppConfig, EngineConfig, KVTierConfig
 
 
-def test_defaults_use_the_embedded_database():
+def test_off_by_default_and_on_it_uses_the_embedded_database():
     config = KVTierConfig()
-    assert config.enabled and config.dsn is None and config.data_dir is None
+    assert not config.enabled and config.dsn is None and config.data_dir is None
     assert config.capacity_bytes == 2 << 30 and config.min_load_tokens == 16
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.enabled = False
@@ -35,3 +35,17 @@ def test_bad_settings_name_the_fix(options, advice):
 def test_an_external_server_needs_only_its_dsn():
     config = KVTierConfig(dsn="postgresql://rayapp@opengauss:5432/rayapp", capacity_bytes=1 << 30)
     assert config.dsn.startswith("postgresql://") and config.capacity_bytes == 1 << 30
+
+
+def test_the_section_reaches_the_engine_from_the_app_config_and_the_offline_options():
+    app = AppConfig(kvtier={"enabled": True, "dsn": "host=db", "min_load_tokens": 64})
+    assert app.engine_config().kvtier == KVTierConfig(enabled=True, dsn="host=db", min_load_tokens=64)
+    assert AppConfig().engine_config().kvtier == KVTierConfig()
+    assert set(AppConfig.model_fields["kvtier"].annotation.model_fields) == {
+        f.name for f in dataclasses.fields(KVTierConfig)
+    }
+    assert EngineConfig.from_options(block_size=32, kvtier={"enabled": True}).kvtier.enabled
+    with pytest.raises(ValueError, match="kvtier.min_load_tokens"):
+        AppConfig(kvtier={"min_load_tokens": 0})
+    with pytest.raises(ValueError, match="kvtier must be a dict"):
+        EngineConfig.from_options(kvtier=True)
