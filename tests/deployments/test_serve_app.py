@@ -40,10 +40,15 @@ def offline():
 
 
 def _metric(base_url: str, name: str) -> float:
-    text = httpx.get(f"{base_url}/metrics").text
-    values = [float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
-    assert values, f"{name} not in /metrics"
-    return sum(values)
+    """Sum of a replica series; waits for the replicas' first push (twice a second, once the hub actor runs)."""
+    deadline = time.monotonic() + 60
+    while True:
+        text = httpx.get(f"{base_url}/metrics").text
+        values = [float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
+        if values:
+            return sum(values)
+        assert time.monotonic() < deadline, f"{name} not in /metrics"
+        time.sleep(0.1)
 
 
 def _post(base_url: str, body: object, key: str | None = KEY, path: str = "/v1/chat/completions") -> httpx.Response:
