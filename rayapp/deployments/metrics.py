@@ -26,6 +26,7 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 ENGINE_COUNTERS = {
     "prompt_tokens": "Prompt tokens received",
     "cached_prompt_tokens": "Prompt tokens served from the prefix cache instead of computed",
+    "tier_loaded_tokens": "Of the cached prompt tokens, those loaded from the cluster KV tier",
     "generation_tokens": "Tokens generated",
     "num_preemptions": "Sequences preempted (recomputed later) because KV pages ran out",
 }

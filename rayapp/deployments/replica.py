@@ -37,7 +37,10 @@ class LLMReplica:
         if self.config.kvtier.enabled:
             from rayapp.kvtier.client import attach_tier  # psycopg and the tier only where the tier is on
 
-            self.tier = attach_tier(self.engine.engine)
+            try:
+                self.tier = attach_tier(self.engine.engine)
+            except Exception as error:  # no database, no store: serve without the tier rather than not at all
+                logger.warning("cluster KV tier unavailable (%s); serving without it", error)
         context = serve.get_replica_context()
         self.app_name, self.replica = context.app_name, context.replica_id.unique_id
         self.metrics = ReplicaMetrics(self.replica)

@@ -23,6 +23,7 @@ import secrets
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -215,14 +216,38 @@ class EmbeddedPostgres:
                 raise RuntimeError(f"PostgreSQL over {self.pgdata} did not stop: {result.stdout.strip()}")
 
 
+# Forks away from the actor (Ray kills a dead worker's child processes, not its grandchildren), reads
+# until its stdin closes (the actor's process ended, however it ended), then stops the server.
+_WATCHDOG = (
+    "import os, sys\n"
+    "if os.fork():\n    os._exit(0)\n"
+    "sys.stdin.buffer.read()\n"
+    "from rayapp.kvtier.embedded import EmbeddedPostgres\n"
+    "EmbeddedPostgres(sys.argv[1]).stop()\n"
+)
+
+
 class _DatabaseActor:
-    """Holds the cluster's embedded database; restarted by Ray, it re-attaches to the running server."""
+    """Holds the cluster's embedded database; restarted by Ray, it re-attaches to the running server.
+
+    The server lives as long as this actor: a watchdog process, detached so that it survives the
+    actor being killed, holds a pipe from the actor and stops the server when the pipe closes. So
+    the database stops with the cluster (`serve run` ending, `ray stop`), never lingering.
+    """
 
     def __init__(self, data_dir: str, host: str) -> None:
         self._db = EmbeddedPostgres(data_dir, host=host)
+        self._watchdog: subprocess.Popen | None = None
 
     def start(self) -> str:
-        return self._db.start()
+        dsn = self._db.start()
+        if self._watchdog is None:
+            # Kept referenced: the pipe's write end must stay open for this actor's whole life.
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, str(self._db.data_dir)], stdin=subprocess.PIPE, start_new_session=True
+            )
+            self._watchdog.wait()  # the forked watchdog carries on alone
+        return dsn
 
     def stop(self) -> None:
         self._db.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -232,3 +233,15 @@ def test_embedded_database_actor_starts_once_and_stops(cluster, cluster_database
     assert stop_embedded_database()
     assert not EmbeddedPostgres(cluster_database).is_running()
     assert not stop_embedded_database()
+
+
+def test_embedded_database_stops_when_its_actor_dies(cluster, cluster_database):
+    start_embedded_database(cluster_database)
+    server = EmbeddedPostgres(cluster_database)
+    assert server.is_running()
+    # What happens to the actor when the cluster stops: its process is killed, no method runs.
+    ray.kill(ray.get_actor("rayapp-kvtier-db", namespace="rayapp"), no_restart=True)
+    deadline = time.monotonic() + 60
+    while server.is_running():
+        assert time.monotonic() < deadline, "the embedded database outlived its actor"
+        time.sleep(0.2)
