@@ -16,6 +16,7 @@ from rayapp.engine.sampler import make_generator
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.engine.scheduler import Scheduler
 from rayapp.engine.sequence import Sequence
+from rayapp.engine.sparse_kv import SparseKV
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 
@@ -55,6 +56,9 @@ class LLMEngine:
             self.runner.num_pages, config.cache.block_size, self.model_id, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.sparse: SparseKV | None = None
+        if config.sparse.enabled:
+            self.sparse = self.runner.sparse = SparseKV(config, self.runner, self.block_manager, self.max_model_len)
         self.eos_token_ids = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -145,6 +149,8 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req.seq, "abort")
+        if self.sparse is not None:
+            self.sparse.drop(req.seq)
         return self._output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
@@ -154,13 +160,22 @@ class LLMEngine:
         """Run one scheduling step; return an output for every request that made progress."""
         batch = self.scheduler.schedule()
         self._num_preemptions += len(batch.preempted)
+        if self.sparse is not None:
+            for seq in batch.preempted:  # recomputed from scratch when readmitted
+                self.sparse.drop(seq)
+            self.sparse.begin_step()
         if not batch.seqs:
             return []
         tokens = self.runner.run(batch)
-        outputs = []
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens):
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
+        if self.sparse is not None:
+            # Before tokens are appended: a sequence that finishes now frees its pages below.
+            self.sparse.after_step(batch.seqs)
+            self.sparse.end_step()
+        outputs = []
+        for seq, token in zip(batch.seqs, tokens):
             req = self._requests[seq.seq_id]
             if not req.counted_cached:
                 req.counted_cached = True
@@ -187,6 +202,8 @@ class LLMEngine:
         if reason is not None:
             delta += req.detokenizer.flush()
             self.scheduler.finish(seq, reason)
+            if self.sparse is not None:
+                self.sparse.drop(seq)
             del self._requests[seq.seq_id]
         return self._output(req, [token], delta, stop_reason)
 
@@ -218,9 +235,12 @@ class LLMEngine:
         return self.block_manager.take_events()
 
     def stats(self) -> dict[str, int]:
-        """Cumulative counters since start and the current state of the page pool."""
+        """Cumulative counters since start and the current state of the page pool (and, with sparse
+        attention on, its `sparse_*` counters)."""
         bm = self.block_manager
+        sparse = self.sparse.stats() if self.sparse is not None else {}
         return {
+            **sparse,
             **self._counters,
             "num_preemptions": self._num_preemptions,
             "num_running": len(self.scheduler.running),
