@@ -110,6 +110,9 @@ class SparseConfig:
     # block's true attention mass ("oracle", reads every key: for measuring scorers only).
     representation: Literal["mean", "minmax", "multimean", "oracle"] = "multimean"
     representative_keys: int = 4
+    # Score blocks with this many recent queries (the prompt's last tokens, then each decode step's),
+    # taking the best: the question at the end of a prompt points at what the answer needs.
+    scoring_queries: int = 1
     # Layers that always attend densely (in offload mode every layer is sparse: their middle is on the host).
     dense_layers: tuple[int, ...] = ()
     # Retrieval blocks per layer in the device block cache that serves offloaded sequences.
@@ -123,7 +126,13 @@ class SparseConfig:
         for name in ("init_tokens", "local_tokens"):
             if getattr(self, name) < 0:
                 errors.append(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("retrieval_block_size", "retrieval_stride", "representative_keys", "device_cache_blocks"):
+        for name in (
+            "retrieval_block_size",
+            "retrieval_stride",
+            "representative_keys",
+            "scoring_queries",
+            "device_cache_blocks",
+        ):
             if getattr(self, name) < 1:
                 errors.append(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 < self.topk_percent <= 1:
@@ -232,6 +241,9 @@ class SparseSettings(BaseModel):
         "(true attention mass; reads every key, for evaluation only)",
     )
     representative_keys: int = Field(4, ge=1, description="Mean keys per retrieval block for multimean")
+    scoring_queries: int = Field(
+        1, ge=1, description="Recent queries (the prompt's last tokens, then decode steps') that score blocks"
+    )
     dense_layers: list[int] = Field(
         default_factory=list, description="Layers that stay dense (below offload_boundary; above it all are sparse)"
     )

@@ -170,7 +170,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Longest run of cached pages holding `seq`'s leading full blocks; changes no page.
 
-        At most `seq.num_tokens - 1` tokens match: the last one must be computed to get logits. A hit
+        At most `seq.num_tokens - seq.min_recompute_tokens` tokens match (at least the last one must be
+        computed to get logits). A hit
         requires the stored token ids and parent hash to equal the sequence's, so a colliding hash
         alone never serves another block's KV. Empty when prefix caching is off or `seq` holds pages.
         Fills `seq.block_hashes` for the prompt's full blocks."""
@@ -178,7 +179,7 @@ class BlockManager:
             return PrefixMatch()
         hashes = self._hash_full_blocks(seq)
         page_ids: list[int] = []
-        for i in range((seq.num_tokens - 1) // self.block_size):
+        for i in range((seq.num_tokens - max(1, seq.min_recompute_tokens)) // self.block_size):
             page = self._cached.get(hashes[i])
             if page is None or not self._holds_block(page, seq, i):
                 break

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from rayapp.config import EngineConfig
+from rayapp.config import EngineConfig, SparseConfig
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.detokenizer import IncrementalDetokenizer
 from rayapp.engine.kv_events import BlockHash, KVEvent
@@ -19,6 +20,7 @@ from rayapp.engine.sequence import Sequence
 from rayapp.engine.sparse_kv import SparseKV
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
+from rayapp.sparse.policy import AttentionMode
 
 
 @dataclass
@@ -65,6 +67,19 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._counters = {"num_requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
         self._num_preemptions = 0
+
+    def use_sparse_config(self, sparse: SparseConfig) -> None:
+        """Switch the sparse settings between requests (the engine must be idle).
+
+        For evaluation: one prefill, many scorers, each run after the first hitting the prefix
+        cache. The device block cache keeps the size the engine was built with.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("use_sparse_config needs an idle engine: finish or abort the running requests first")
+        config = dataclasses.replace(self.config, sparse=sparse)
+        self.sparse = self.runner.sparse = (
+            SparseKV(config, self.runner, self.block_manager, self.max_model_len) if sparse.enabled else None
+        )
 
     @classmethod
     def from_options(cls, **options: Any) -> LLMEngine:
@@ -140,6 +155,8 @@ class LLMEngine:
             raise ValueError(f"got {len(block_hashes)} block hashes for a {len(ids)}-token prompt")
         seq = Sequence(request_id, ids, params, cache_salt=cache_salt, block_hashes=block_hashes)
         seq.generator = make_generator(params, self.runner.device)
+        if self.sparse is not None and self.sparse.policy.mode(len(ids)) is not AttentionMode.DENSE:
+            seq.min_recompute_tokens = min(len(ids), self.config.sparse.scoring_queries)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         return Request(seq, prompt, ids, detok, max_new)
 

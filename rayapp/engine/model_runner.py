@@ -20,7 +20,7 @@ from rayapp.models.llama import load_model
 from rayapp.models.loader import ModelSpec, load_state_dict
 
 if TYPE_CHECKING:
-    from rayapp.engine.sparse_kv import DecodePlan, SparseKV
+    from rayapp.engine.sparse_kv import DecodePlan, QueryCapture, SparseKV
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class AttentionMetadata:
     prefill_query_start_loc: Tensor  # [Bp + 1]
     prefill_context_lens: Tensor  # [Bp]
     sparse_plan: DecodePlan | None = None  # set when some decode rows attend sparsely
+    sparse_capture: QueryCapture | None = None  # prefill queries kept to score retrieval blocks
 
 
 class PagedAttention:
@@ -53,6 +54,9 @@ class PagedAttention:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         store_kv(k, v, kc, vc, m.slot_mapping)
         nd = m.num_decode_tokens
+        if m.sparse_capture is not None:
+            assert self.sparse is not None
+            self.sparse.capture(layer, q[nd:], m.sparse_capture)
         if nd == q.shape[0]:
             return self._decode(layer, q, kc, vc)
         prefill = paged_prefill_attention(
@@ -162,6 +166,8 @@ class ModelRunner:
         )
         if self.sparse is not None and nd:
             meta.sparse_plan = self.sparse.plan(batch.seqs[:nd], tables[:nd])
+        if self.sparse is not None and nd < len(batch.seqs):
+            meta.sparse_capture = self.sparse.plan_capture(batch.seqs[nd:], starts[nd:], batch.num_new_tokens[nd:])
         return self._tensor(ids), positions, meta, sample_rows, sample_seqs
 
     def _tensor(self, values: list[int]) -> Tensor:

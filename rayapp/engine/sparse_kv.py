@@ -62,6 +62,16 @@ class DecodePlan:
     full_ctx: Tensor  # [Bs]
     offload: Tensor  # [Bs] bool
     reselect: Tensor | None  # [Bs] bool rows due for a new selection; None: all
+    query_slots: Tensor  # [Bs] where this step's query goes in the recent-query ring
+
+
+@dataclass
+class QueryCapture:
+    """Prefill rows whose queries (the prompt's last `scoring_queries` tokens) are kept for scoring."""
+
+    src: Tensor  # [M] rows of the step's prefill queries
+    rows: Tensor  # [M] store rows
+    slots: Tensor  # [M] ring slots
 
 
 class SparseKV:
@@ -84,6 +94,10 @@ class SparseKV:
         self.reps = torch.zeros(self.L, 0, self.max_blocks, self.Hkv, self.rep_rows, self.D, device=self.device)
         self.host_ids = torch.zeros(0, self.max_blocks, dtype=torch.int64, device=self.device)
         self.selection = torch.zeros(self.L, 0, self.Hkv, self.max_blocks, dtype=torch.int64, device=self.device)
+        self.W, self.Hq = self.cfg.scoring_queries, spec.num_heads
+        # Ring of each row's recent queries per layer, and which slots hold one.
+        self.queries = torch.zeros(self.L, 0, self.W, self.Hq, self.D, device=self.device)
+        self.query_valid = torch.zeros(0, self.W, dtype=torch.bool, device=self.device)
         rb = self.cfg.retrieval_block_size
         block_bytes = 2 * self.L * rb * self.Hkv * self.D * runner.dtype.itemsize
         self.pool = HostBlockPool(
@@ -139,9 +153,14 @@ class SparseKV:
             extra = torch.zeros(self.L, new - old, self.Hkv, self.max_blocks, dtype=torch.int64, device=self.device)
             self.selection = torch.cat([self.selection, extra], 1)
             self.cache.grow_rows(new)
+            q_extra = torch.zeros(self.L, new - old, self.W, self.Hq, self.D, device=self.device)
+            self.queries = torch.cat([self.queries, q_extra], 1)
+            self.query_valid = torch.cat([self.query_valid, self.query_valid.new_zeros(new - old, self.W)])
             self._free_rows = list(range(new - 1, old - 1, -1))
             self.rows_cap = new
-        return self._free_rows.pop()
+        row = self._free_rows.pop()
+        self.query_valid[row] = False
+        return row
 
     # --- after each step: representations and offload -----------------------------------
 
@@ -221,6 +240,9 @@ class SparseKV:
             if due[-1]:
                 st.selected_for = n_mid
             ctxs.append(ctx)
+        rows = self._tensor([states[i].row for i in sparse])
+        query_slots = (self._tensor(ctxs) - 1) % self.W
+        self.query_valid[rows, query_slots] = True
         n_max = max(mids)
         width = max(map(len, fixed))
         sparse_t = self._tensor(sparse)
@@ -235,7 +257,7 @@ class SparseKV:
             dense_table=tables[self._tensor(dense), :dense_w],
             dense_ctx=self._tensor([seqs[i].num_computed_tokens + 1 for i in dense]),
             sparse_idx=sparse_t,
-            rows=self._tensor([states[i].row for i in sparse]),
+            rows=rows,
             num_middle=self._tensor(mids),
             num_selected=self._tensor(ks),
             fixed_pages=self._tensor([f + [0] * (width - len(f)) for f in fixed]),
@@ -245,7 +267,33 @@ class SparseKV:
             full_ctx=self._tensor(ctxs),
             offload=torch.tensor([states[i].mode is AttentionMode.OFFLOAD for i in sparse], device=self.device),
             reselect=None if all(due) else torch.tensor(due, device=self.device),
+            query_slots=query_slots,
         )
+
+    def plan_capture(self, seqs: list[Sequence], starts: list[int], num_new: list[int]) -> QueryCapture | None:
+        """Which of this step's prefill queries to keep: those of each sparse prompt's last tokens."""
+        if self.W == 1:
+            return None  # the decode query alone scores
+        src, rows, slots = [], [], []
+        offset = 0
+        for seq, start, n in zip(seqs, starts, num_new):
+            st = self.state(seq)
+            first = max(start, seq.num_prompt_tokens - self.W)
+            if st.mode is not AttentionMode.DENSE and first < start + n:
+                positions = range(first, start + n)
+                src.extend(offset + pos - start for pos in positions)
+                rows.extend([st.row] * len(positions))
+                slots.extend(pos % self.W for pos in positions)
+            offset += n
+        if not src:
+            return None
+        cap = QueryCapture(self._tensor(src), self._tensor(rows), self._tensor(slots))
+        self.query_valid[cap.rows, cap.slots] = True
+        return cap
+
+    def capture(self, layer: int, q: Tensor, cap: QueryCapture) -> None:
+        """Keep the captured prefill queries of `layer`. q: [T, Hq, D], the step's prefill queries."""
+        self.queries[layer, cap.rows, cap.slots] = q[cap.src].float()
 
     def attend(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: DecodePlan, scale: float) -> Tensor:
         """Attention of the sparse decode rows at `layer`. q: [Bs, Hq, D] -> [Bs, Hq, D]."""
@@ -288,13 +336,27 @@ class SparseKV:
             scores = oracle_block_scores(q, k_cache, plan.middle_pages, plan.num_middle, scale)
         else:
             n_max = plan.middle_pages.shape[1]
-            scores = score_blocks(q, self.reps[layer, plan.rows, :n_max], self.cfg.representation)
+            scores = score_blocks(
+                self._scoring_queries(layer, q, plan), self.reps[layer, plan.rows, :n_max], self.cfg.representation
+            )
         blocks, valid = select_topk_blocks(scores, plan.num_middle, plan.num_selected)
         if self.cfg.retrieval_stride > 1:
             if plan.reselect is not None:
                 blocks = torch.where(plan.reselect[:, None, None], blocks, stored)
             self.selection[layer, plan.rows, :, :K] = blocks
         return blocks, valid
+
+    def _scoring_queries(self, layer: int, q: Tensor, plan: DecodePlan) -> Tensor:
+        """q [Bs, Hq, D] and the rows' recent queries as extra query heads: [Bs, Hkv * W * G, D]."""
+        if self.W == 1:
+            return q
+        Bs, G = q.shape[0], self.Hq // self.Hkv
+        self.queries[layer, plan.rows, plan.query_slots] = q.float()
+        recent = self.queries[layer, plan.rows]  # [Bs, W, Hq, D]
+        # A slot never filled (a prompt's prefix came from cache) repeats the current query instead.
+        valid = self.query_valid[plan.rows][:, :, None, None]
+        recent = torch.where(valid, recent, q.float()[:, None])
+        return recent.view(Bs, self.W, self.Hkv, G, self.D).transpose(1, 2).reshape(Bs, -1, self.D)
 
     def stats(self) -> dict[str, int]:
         cs = self.cache.stats
