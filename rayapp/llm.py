@@ -20,7 +20,9 @@ class LLM:
     `model=None` is the shipped SmolLM2-135M-Instruct; any other value is a Hugging Face
     safetensors directory of the Llama / Qwen2 family. Further keyword options are engine
     settings (`block_size`, `num_pages`, `kv_cache_memory_gb`, `enable_prefix_caching`,
-    `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`).
+    `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`), and `sparse={...}` with the fields
+    of `rayapp.config.SparseConfig` for sparse retrieval attention on long prompts, e.g.
+    `LLM(sparse={"enabled": True, "dense_boundary": 4096, "local_tokens": 1024})`.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu", **options: Any) -> None:
@@ -59,7 +61,9 @@ class LLM:
         return self._run([{"prompt_token_ids": chat_token_ids(tok, c)} for c in conversations], sampling_params)
 
     def stats(self) -> dict[str, int]:
-        """Counters since start (prompt, cached prompt and generated tokens) and the page pool now."""
+        """Counters since start (prompt, cached prompt and generated tokens) and the page pool now;
+        with sparse attention on, also the `sparse_*` counters (sequences per mode, selected blocks,
+        device block cache hits and misses, blocks copied in the last step, host pages held)."""
         return self.engine.stats()
 
     def _run(self, inputs: list[dict[str, Any]], sampling_params: Any) -> list[RequestOutput]:

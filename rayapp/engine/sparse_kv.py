@@ -63,6 +63,10 @@ class DecodePlan:
     offload: Tensor  # [Bs] bool
     reselect: Tensor | None  # [Bs] bool rows due for a new selection; None: all
     query_slots: Tensor  # [Bs] where this step's query goes in the recent-query ring
+    # Host-side copies of what each layer branches on, so no layer waits on a device sync.
+    max_selected: int = 0
+    any_offload: bool = False
+    any_reselect: bool = True
 
 
 @dataclass
@@ -77,6 +81,8 @@ class QueryCapture:
 class SparseKV:
     """Retrieval state of one engine's sequences; reads and writes the ModelRunner's KV pools."""
 
+    # Entry points run in inference mode (the ModelRunner's, for the others): tensors created in it
+    # may only be updated in it.
     def __init__(self, config: EngineConfig, runner, block_manager: BlockManager, max_model_len: int) -> None:
         self.cfg = config.sparse
         self.bm = block_manager
@@ -133,6 +139,7 @@ class SparseKV:
             self._states[seq.seq_id] = st
         return st
 
+    @torch.inference_mode()
     def drop(self, seq: Sequence) -> None:
         """Forget `seq` (finished, aborted or preempted): its row, host blocks and cached blocks."""
         st = self._states.pop(seq.seq_id, None)
@@ -164,6 +171,7 @@ class SparseKV:
 
     # --- after each step: representations and offload -----------------------------------
 
+    @torch.inference_mode()
     def after_step(self, seqs: list[Sequence]) -> None:
         """Represent the blocks that filled this step; offload middle blocks of offload-mode sequences."""
         p, ppb = self.policy, self.policy.pages_per_block
@@ -268,6 +276,9 @@ class SparseKV:
             offload=torch.tensor([states[i].mode is AttentionMode.OFFLOAD for i in sparse], device=self.device),
             reselect=None if all(due) else torch.tensor(due, device=self.device),
             query_slots=query_slots,
+            max_selected=max(ks),
+            any_offload=any(states[i].mode is AttentionMode.OFFLOAD for i in sparse),
+            any_reselect=any(due),
         )
 
     def plan_capture(self, seqs: list[Sequence], starts: list[int], num_new: list[int]) -> QueryCapture | None:
@@ -297,7 +308,7 @@ class SparseKV:
 
     def attend(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: DecodePlan, scale: float) -> Tensor:
         """Attention of the sparse decode rows at `layer`. q: [Bs, Hq, D] -> [Bs, Hq, D]."""
-        if layer in self.dense_layers and not bool(plan.offload.any()):
+        if layer in self.dense_layers and not plan.any_offload:
             return paged_decode_attention(q, k_cache, v_cache, plan.full_table, plan.full_ctx, scale)
         blocks, valid = self._select(layer, q, k_cache, plan, scale)
         Bs, Hkv, K = blocks.shape
@@ -305,7 +316,7 @@ class SparseKV:
         rows = torch.arange(Bs, device=self.device)[:, None, None]
         # pages: [Bs, Hkv, K, ppb]
         pages = plan.middle_pages[rows, blocks]
-        if bool(plan.offload.any()):
+        if plan.any_offload:
             off = plan.offload.nonzero().squeeze(1)
             o_rows, o_blocks = plan.rows[off], blocks[off]
             host = self.host_ids[o_rows[:, None, None], o_blocks]
@@ -325,13 +336,13 @@ class SparseKV:
 
     def _select(self, layer: int, q: Tensor, k_cache: Tensor, plan: DecodePlan, scale: float) -> tuple[Tensor, Tensor]:
         """Top-k middle blocks per row and KV head: blocks [Bs, Hkv, K], valid [Bs, K]."""
-        K = int(plan.num_selected.max())
+        K = plan.max_selected
         valid = torch.arange(K, device=self.device) < plan.num_selected[:, None]
         stored = self.selection[layer, plan.rows, :, :K]  # [Bs, Hkv, K]
-        if plan.reselect is not None and not bool(plan.reselect.any()):
+        if not plan.any_reselect:
             return stored, valid
         if self.rep_rows == 0:
-            if bool(plan.offload.any()):
+            if plan.any_offload:
                 raise ValueError("representation='oracle' reads every middle key and cannot serve offloaded sequences")
             scores = oracle_block_scores(q, k_cache, plan.middle_pages, plan.num_middle, scale)
         else:
