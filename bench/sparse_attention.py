@@ -34,11 +34,17 @@ SCALED = SparseConfig(
 )
 
 
-def quality_variants() -> dict[str, SparseConfig | None]:
+def quality_variants(topks: tuple[float, ...] = (0.2, 0.1, 0.05)) -> dict[str, SparseConfig | None]:
+    """Dense, the plain scorers (one query), the default scorer, and the oracle, at each top-k."""
+    default = SparseConfig()
+    ours = f"multimean{default.representative_keys}/q{default.scoring_queries}"
     v: dict[str, SparseConfig | None] = {"dense": None}
-    for topk in (0.2, 0.1, 0.05):
-        for rep in ("mean", "minmax", "multimean", "oracle"):
-            v[f"{rep}@{topk}"] = dataclasses.replace(SCALED, representation=rep, topk_percent=topk)
+    for topk in topks:
+        for name, rep in (("mean", "mean"), ("minmax", "minmax"), (ours, "multimean"), ("oracle", "oracle")):
+            plain = rep in ("mean", "minmax", "oracle")
+            v[f"{name}@{topk}"] = dataclasses.replace(
+                SCALED, representation=rep, topk_percent=topk, scoring_queries=1 if plain else default.scoring_queries
+            )
     return v
 
 
@@ -51,14 +57,16 @@ def natural_text() -> str | None:
     return None
 
 
-def run_quality(num_cases: int, variants: dict[str, SparseConfig | None], new_tokens: int = 24) -> None:
+def run_quality(
+    num_cases: int, variants: dict[str, SparseConfig | None], new_tokens: int = 24, with_text: bool = True
+) -> None:
     """Needle accuracy and greedy agreement with dense, each prompt prefilled once (prefix cache)."""
     llm = LLM(dtype="float32", max_num_batched_tokens=2048)
     tok = llm.get_tokenizer()
     lengths = [1024 + round(i * 5000 / max(1, num_cases - 1)) for i in range(num_cases)]
     depths = [0.1, 0.3, 0.5, 0.7, 0.9, 0.2, 0.4, 0.6, 0.8]
     cases = [needle_case(tok, n, depths[i % len(depths)], seed=i) for i, n in enumerate(lengths)]
-    text = natural_text()
+    text = natural_text() if with_text else None
     natural: list[list[int]] = []
     if text:
         ids = tok.encode(text)
@@ -73,6 +81,11 @@ def run_quality(num_cases: int, variants: dict[str, SparseConfig | None], new_to
             llm.engine.use_sparse_config(cfg or dataclasses.replace(SCALED, enabled=False))
             out = llm.generate(prompt_token_ids=case.prompt_token_ids, sampling_params=needle_params)[0]
             found[name] += case.found(out.outputs[0].text)
+        print(
+            f"  case {len(case.prompt_token_ids)} tokens, depth {case.depth}: "
+            + ", ".join(f"{k}={v}" for k, v in found.items()),
+            flush=True,
+        )
     for ids in natural:
         reference: list[int] = []
         for name, cfg in variants.items():
@@ -134,7 +147,8 @@ def run_speed(contexts: list[int], steps: int) -> None:
         model=str(long_model_dir(longest)),
         dtype="float32",
         num_pages=longest // 16 + 8,
-        sparse=default,
+        # Built in offload mode so the device block cache exists; each run below picks its mode.
+        sparse=dataclasses.replace(default, dense_boundary=16000, offload_boundary=16000),
         max_model_len=longest,
     )
     engine, runner = llm.engine, llm.engine.runner
@@ -143,8 +157,8 @@ def run_speed(contexts: list[int], steps: int) -> None:
     gen = torch.Generator().manual_seed(0)
     modes = {
         "dense": dataclasses.replace(default, enabled=False),
-        "sparse": dataclasses.replace(default, dense_boundary=4096 * 4, offload_boundary=10**6),
-        "offload": dataclasses.replace(default, dense_boundary=4096 * 4, offload_boundary=4096 * 4),
+        "sparse": dataclasses.replace(default, dense_boundary=16000, offload_boundary=10**6),
+        "offload": dataclasses.replace(default, dense_boundary=16000, offload_boundary=16000),
     }
     print("\n## Decode step, 1 sequence, SmolLM2-135M shape with its real weights (positions stretched), float32")
     print("sparse: init 1024, window 7192, retrieval block 128, top-k 0.2, multimean scorer; times in ms")
@@ -156,7 +170,9 @@ def run_speed(contexts: list[int], steps: int) -> None:
             if mode != "dense" and ctx < cfg.dense_boundary:
                 continue
             engine.use_sparse_config(cfg)
-            seq = Sequence(f"bench-{ctx}-{mode}", [1] * ctx, SamplingParams(max_tokens=steps + 2))
+            # A prefilled prompt of ctx - 1 tokens and one generated token to decode.
+            seq = Sequence(f"bench-{ctx}-{mode}", [1] * (ctx - 1), SamplingParams(max_tokens=steps + 2))
+            seq.append_token(1)
             engine.block_manager.allocate(seq, ctx)
             pages = torch.tensor(seq.block_table)
             # Random K/V, not zeros: scores must rank blocks as they would on real keys' spread.
@@ -214,6 +230,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["speed", "quality"], default=None)
     parser.add_argument("--cases", type=int, default=12, help="needle cases (1K-6K tokens)")
+    parser.add_argument("--topk", type=float, nargs="+", default=[0.2, 0.1, 0.05])
+    parser.add_argument("--no-text", action="store_true", help="skip greedy agreement on natural text")
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per setting (after one warm-up)")
     args = parser.parse_args()
@@ -222,7 +240,7 @@ def main() -> None:
     if args.only in (None, "speed"):
         run_speed(args.contexts, args.steps)
     if args.only in (None, "quality"):
-        run_quality(args.cases, quality_variants())
+        run_quality(args.cases, quality_variants(tuple(args.topk)), with_text=not args.no_text)
 
 
 if __name__ == "__main__":

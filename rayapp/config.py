@@ -109,7 +109,7 @@ class SparseConfig:
     # `representative_keys` mean keys of equal slices of the block (max over them); or the
     # block's true attention mass ("oracle", reads every key: for measuring scorers only).
     representation: Literal["mean", "minmax", "multimean", "oracle"] = "multimean"
-    representative_keys: int = 4
+    representative_keys: int = 8
     # Score blocks with this many recent queries (the prompt's last tokens, then each decode step's),
     # taking the best: the question at the end of a prompt points at what the answer needs.
     scoring_queries: int = 1
@@ -240,7 +240,7 @@ class SparseSettings(BaseModel):
         description="Block summary for scoring: mean key, min/max (Quest), several mean keys per block, or oracle "
         "(true attention mass; reads every key, for evaluation only)",
     )
-    representative_keys: int = Field(4, ge=1, description="Mean keys per retrieval block for multimean")
+    representative_keys: int = Field(8, ge=1, description="Mean keys per retrieval block for multimean")
     scoring_queries: int = Field(
         1, ge=1, description="Recent queries (the prompt's last tokens, then decode steps') that score blocks"
     )
