@@ -7,8 +7,10 @@ the objects that find them, not here.
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -72,21 +74,136 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
 
 
+REPRESENTATIONS = ("mean", "minmax", "multimean", "oracle")
+# Environment names of the vllm-ascend RetrievalKV plugin, read so its users keep their settings.
+SPARSE_ENV = {
+    "init_tokens": ("VLLM_RETRIEVAL_INIT_TOKENS_NUM", int),
+    "local_tokens": ("VLLM_RETRIEVAL_LOCAL_TOKENS_NUM", int),
+    "topk_percent": ("VLLM_RETRIEVAL_TOPK_PERCENT", float),
+    "dense_boundary": ("VLLM_RETRIEVAL_DENSE_BOUNDARY", int),
+    "offload_boundary": ("VLLM_RETRIEVAL_OFFLOAD_BOUNDARY", int),
+}
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Sparse retrieval attention (RetrievalKV) for long prompts.
+
+    A sequence whose prompt has fewer than `dense_boundary` tokens decodes densely; up to
+    `offload_boundary` it decodes over its first `init_tokens`, its last `local_tokens` (both
+    rounded up to whole pages) and the `topk_percent` best-scoring retrieval blocks of the middle;
+    above `offload_boundary` its middle pages also move to a host pool and the selected blocks
+    are copied back into a device block cache of `device_cache_blocks` retrieval blocks per layer.
+    """
+
+    enabled: bool = False
+    init_tokens: int = 1024
+    local_tokens: int = 7192
+    topk_percent: float = 0.2
+    retrieval_block_size: int = 128
+    dense_boundary: int = 32768
+    offload_boundary: int = 65536
+    # Re-score and re-select the middle blocks every this many decode steps.
+    retrieval_stride: int = 1
+    # How a retrieval block is summarized for scoring: mean key; min/max per channel (Quest);
+    # `representative_keys` mean keys of equal slices of the block (max over them); or the
+    # block's true attention mass ("oracle", reads every key: for measuring scorers only).
+    representation: Literal["mean", "minmax", "multimean", "oracle"] = "multimean"
+    representative_keys: int = 8
+    # Score blocks with this many recent queries (the prompt's last tokens, then each decode step's),
+    # taking the best: the question at the end of a prompt points at what the answer needs.
+    scoring_queries: int = 1
+    # Layers that always attend densely (in offload mode every layer is sparse: their middle is on the host).
+    dense_layers: tuple[int, ...] = ()
+    # Retrieval blocks per layer in the device block cache that serves offloaded sequences.
+    device_cache_blocks: int = 512
+    # Most host memory the offload pool may grow to (it grows on demand, pinned where supported).
+    host_pool_memory_gb: float = 8.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dense_layers", tuple(int(x) for x in self.dense_layers))
+        errors = []
+        for name in ("init_tokens", "local_tokens"):
+            if getattr(self, name) < 0:
+                errors.append(f"{name}={getattr(self, name)} must be >= 0")
+        for name in (
+            "retrieval_block_size",
+            "retrieval_stride",
+            "representative_keys",
+            "scoring_queries",
+            "device_cache_blocks",
+        ):
+            if getattr(self, name) < 1:
+                errors.append(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0 < self.topk_percent <= 1:
+            errors.append(f"topk_percent={self.topk_percent} must be in (0, 1]")
+        if self.init_tokens + self.local_tokens >= self.dense_boundary:
+            errors.append(
+                f"init_tokens + local_tokens ({self.init_tokens} + {self.local_tokens}) must be below "
+                f"dense_boundary={self.dense_boundary}, or no sequence would have a middle to select from"
+            )
+        if self.offload_boundary < self.dense_boundary:
+            errors.append(f"offload_boundary={self.offload_boundary} must be >= dense_boundary={self.dense_boundary}")
+        if self.representation not in REPRESENTATIONS:
+            errors.append(f"representation={self.representation!r} must be one of {list(REPRESENTATIONS)}")
+        elif self.representation == "multimean" and self.retrieval_block_size % self.representative_keys:
+            errors.append(
+                f"retrieval_block_size={self.retrieval_block_size} must be a multiple of "
+                f"representative_keys={self.representative_keys}"
+            )
+        if any(layer < 0 for layer in self.dense_layers):
+            errors.append(f"dense_layers={list(self.dense_layers)} must be layer indices >= 0")
+        if self.host_pool_memory_gb <= 0:
+            errors.append(f"host_pool_memory_gb={self.host_pool_memory_gb} must be > 0")
+        if errors:
+            raise ValueError("invalid sparse settings: " + "; ".join(errors))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> SparseConfig:
+        """Defaults, then the `VLLM_RETRIEVAL_*` / `VLLM_PLUGINS` environment, then `overrides`.
+
+        `VLLM_PLUGINS` naming `retrieval` (comma-separated list) turns sparse attention on.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        if "retrieval" in [p.strip() for p in env.get("VLLM_PLUGINS", "").split(",")]:
+            values["enabled"] = True
+        for name, (var, kind) in SPARSE_ENV.items():
+            if var in env:
+                try:
+                    values[name] = kind(env[var])
+                except ValueError:
+                    raise ValueError(f"{var}={env[var]!r} (sparse.{name}) is not a valid {kind.__name__}") from None
+        values.update(overrides)
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
     # A lambda: KVTierConfig is defined at the end of this module.
     kvtier: KVTierConfig = field(default_factory=lambda: KVTierConfig())
+
+    def __post_init__(self) -> None:
+        bs, rb = self.cache.block_size, self.sparse.retrieval_block_size
+        if rb % bs:
+            raise ValueError(
+                f"invalid sparse settings: retrieval_block_size={rb} must be a multiple of block_size={bs}"
+            )
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
         """Build from flat keyword options (`LLM(model=..., block_size=..., max_num_seqs=...)`).
 
         Each option names a field of one section; an unknown name is an error that lists the
-        accepted ones. `kvtier` is the one nested option: a `KVTierConfig` or a dict of its fields.
+        accepted ones. Two options are nested: `sparse`, a dict of `SparseConfig` fields (or a
+        `SparseConfig`) laid over the `VLLM_RETRIEVAL_*` environment; `kvtier`, a dict of
+        `KVTierConfig` fields (or a `KVTierConfig`).
         """
+        sparse = options.pop("sparse", None)
         kvtier = options.pop("kvtier", None)
         if isinstance(kvtier, dict):
             kvtier = KVTierConfig(**kvtier)
@@ -96,12 +213,55 @@ class EngineConfig:
         owner = {f.name: name for name, c in sections.items() for f in dataclasses.fields(c)}
         unknown = sorted(set(options) - set(owner))
         if unknown:
-            raise ValueError(f"unknown engine option(s) {unknown}; accepted: {sorted([*owner, 'kvtier'])}")
+            raise ValueError(f"unknown engine option(s) {unknown}; accepted: {sorted(owner)}, sparse and kvtier")
         grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
         for key, value in options.items():
             grouped[owner[key]][key] = value
+        if not isinstance(sparse, SparseConfig):
+            sparse = dict(sparse or {})
+            unknown = sorted(set(sparse) - {f.name for f in dataclasses.fields(SparseConfig)})
+            if unknown:
+                accepted = sorted(f.name for f in dataclasses.fields(SparseConfig))
+                raise ValueError(f"unknown sparse option(s) {unknown}; accepted: {accepted}")
+            sparse = SparseConfig.from_env(**sparse)
         built = {name: sections[name](**kw) for name, kw in grouped.items()}
-        return cls(**built, kvtier=kvtier or KVTierConfig())
+        return cls(**built, sparse=sparse, kvtier=kvtier or KVTierConfig())
+
+
+class SparseSettings(BaseModel):
+    """`sparse:` of the app config; the same fields as `SparseConfig`. Fields left unset take the
+    `VLLM_RETRIEVAL_*` environment of the replica, then the defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        False, description="Sparse retrieval attention for long prompts (also VLLM_PLUGINS=retrieval)"
+    )
+    init_tokens: int = Field(1024, ge=0, description="First tokens always attended (rounded up to whole pages)")
+    local_tokens: int = Field(7192, ge=0, description="Last tokens always attended (rounded up to whole pages)")
+    topk_percent: float = Field(0.2, gt=0, le=1, description="Share of the middle's retrieval blocks attended per step")
+    retrieval_block_size: int = Field(128, ge=1, description="Tokens per retrieval block, a multiple of block_size")
+    dense_boundary: int = Field(32768, ge=1, description="Prompts shorter than this decode densely")
+    offload_boundary: int = Field(65536, ge=1, description="Prompts longer than this move their middle to host memory")
+    retrieval_stride: int = Field(1, ge=1, description="Re-select the middle blocks every this many decode steps")
+    representation: Literal["mean", "minmax", "multimean", "oracle"] = Field(
+        "multimean",
+        description="Block summary for scoring: mean key, min/max (Quest), several mean keys per block, or oracle "
+        "(true attention mass; reads every key, for evaluation only)",
+    )
+    representative_keys: int = Field(8, ge=1, description="Mean keys per retrieval block for multimean")
+    scoring_queries: int = Field(
+        1, ge=1, description="Recent queries (the prompt's last tokens, then decode steps') that score blocks"
+    )
+    dense_layers: list[int] = Field(
+        default_factory=list, description="Layers that stay dense (below offload_boundary; above it all are sparse)"
+    )
+    device_cache_blocks: int = Field(512, ge=1, description="Device block cache size per layer, in retrieval blocks")
+    host_pool_memory_gb: float = Field(8.0, gt=0, description="Most host memory the offload pool grows to")
+
+    def sparse_config(self) -> SparseConfig:
+        """The engine's `SparseConfig`: explicit fields over the environment over the defaults."""
+        return SparseConfig.from_env(**{k: getattr(self, k) for k in self.model_fields_set})
 
 
 class RouterConfig(BaseModel):
@@ -202,6 +362,9 @@ class AppConfig(BaseModel):
         256, ge=1, description="Requests admitted at once across replicas; more get HTTP 429"
     )
     router: RouterConfig = Field(default_factory=RouterConfig, description="Request routing across replicas")
+    sparse: SparseSettings = Field(
+        default_factory=SparseSettings, description="Sparse retrieval attention (RetrievalKV) for long prompts"
+    )
     kvtier: KVTierSettings = Field(
         default_factory=KVTierSettings, description="Cluster KV tier shared by the replicas (off by default)"
     )
@@ -216,7 +379,7 @@ class AppConfig(BaseModel):
         sections = (ModelConfig, CacheConfig, SchedulerConfig)
         fields = {f.name for section in sections for f in dataclasses.fields(section)}
         options = {k: v for k, v in self.model_dump().items() if k in fields}
-        return EngineConfig.from_options(**options, kvtier=self.kvtier.to_config())
+        return EngineConfig.from_options(**options, sparse=self.sparse.sparse_config(), kvtier=self.kvtier.to_config())
 
     def ray_actor_options(self) -> dict[str, Any]:
         """Resources of one replica: its CPUs and, on an accelerator, one device."""

@@ -20,9 +20,11 @@ class LLM:
     `model=None` is the shipped SmolLM2-135M-Instruct; any other value is a Hugging Face
     safetensors directory of the Llama / Qwen2 family. Further keyword options are engine
     settings (`block_size`, `num_pages`, `kv_cache_memory_gb`, `enable_prefix_caching`,
-    `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`), and `kvtier`: a dict of
-    `KVTierConfig` fields. With `kvtier={"enabled": True}` full KV blocks are shared through the
-    cluster tier (Ray is initialized here if it is not; with no `dsn` an embedded PostgreSQL is
+    `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`); `sparse={...}` with the fields
+    of `rayapp.config.SparseConfig` for sparse retrieval attention on long prompts, e.g.
+    `LLM(sparse={"enabled": True, "dense_boundary": 4096, "local_tokens": 1024})`; and `kvtier`: a
+    dict of `KVTierConfig` fields. With `kvtier={"enabled": True}` full KV blocks are shared through
+    the cluster tier (Ray is initialized here if it is not; with no `dsn` an embedded PostgreSQL is
     started), so several `LLM`s, in this program or others on the cluster, reuse each other's prefixes.
     """
 
@@ -71,7 +73,9 @@ class LLM:
         return self._run([{"prompt_token_ids": chat_token_ids(tok, c)} for c in conversations], sampling_params)
 
     def stats(self) -> dict[str, int]:
-        """Counters since start (prompt, cached prompt and generated tokens) and the page pool now."""
+        """Counters since start (prompt, cached prompt and generated tokens) and the page pool now;
+        with sparse attention on, also the `sparse_*` counters (sequences per mode, selected blocks,
+        device block cache hits and misses, blocks copied in the last step, host pages held)."""
         return self.engine.stats()
 
     def _run(self, inputs: list[dict[str, Any]], sampling_params: Any) -> list[RequestOutput]:

@@ -20,6 +20,9 @@ from rayapp.engine.kv_events import AllCleared, BlockHash, BlockRemoved, BlockSt
 from rayapp.engine.kv_events import hash_block as hash_block  # re-exported: defined with the events
 from rayapp.engine.sequence import Sequence
 
+# A block-table entry whose page was released after its K/V moved to the host pool.
+OFFLOADED = -1
+
 
 @dataclass(frozen=True)
 class PrefixMatch:
@@ -170,7 +173,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Longest run of cached pages holding `seq`'s leading full blocks; changes no page.
 
-        At most `seq.num_tokens - 1` tokens match: the last one must be computed to get logits. A hit
+        At most `seq.num_tokens - seq.min_recompute_tokens` tokens match (at least the last one must be
+        computed to get logits). A hit
         requires the stored token ids and parent hash to equal the sequence's, so a colliding hash
         alone never serves another block's KV. Empty when prefix caching is off or `seq` holds pages.
         Fills `seq.block_hashes` for the prompt's full blocks."""
@@ -178,7 +182,7 @@ class BlockManager:
             return PrefixMatch()
         hashes = self._hash_full_blocks(seq)
         page_ids: list[int] = []
-        for i in range((seq.num_tokens - 1) // self.block_size):
+        for i in range((seq.num_tokens - max(1, seq.min_recompute_tokens)) // self.block_size):
             page = self._cached.get(hashes[i])
             if page is None or not self._holds_block(page, seq, i):
                 break
@@ -288,6 +292,8 @@ class BlockManager:
         Pages reaching ref 0 join the free list's tail, keeping their cached block: a sequence's
         tail blocks thus sit before its head blocks and are evicted first."""
         for pid in reversed(seq.block_table):
+            if pid == OFFLOADED:
+                continue
             page = self._pages[pid]
             if page.ref_count <= 0:
                 raise RuntimeError(f"page {pid} of sequence {seq.seq_id} freed more often than taken")
@@ -298,6 +304,24 @@ class BlockManager:
                     self._num_cached_free += 1
         seq.block_table = []
         self._num_handled_blocks.pop(seq.seq_id, None)
+
+    def release_pages(self, seq: Sequence, block_indices: list[int]) -> None:
+        """Drop `seq`'s reference to the pages of these blocks (their K/V now lives in the host pool).
+
+        The entries become `OFFLOADED`; the table keeps its length, so token positions still map
+        to table indices. Only full, cached-or-computed blocks before the last one may be released.
+        """
+        for i in block_indices:
+            pid = seq.block_table[i]
+            if pid == OFFLOADED or i >= seq.num_computed_tokens // self.block_size:
+                raise RuntimeError(f"block {i} of {seq.seq_id} is not a computed, device-resident block")
+            page = self._pages[pid]
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                self._free.append(page)
+                if page.block_hash is not None:
+                    self._num_cached_free += 1
+            seq.block_table[i] = OFFLOADED
 
     def take_events(self) -> list[KVEvent]:
         """Events since the last call, oldest first."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from rayapp.config import EngineConfig
+from rayapp.config import EngineConfig, SparseConfig
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.detokenizer import IncrementalDetokenizer
 from rayapp.engine.kv_events import AllCleared, BlockHash, KVEvent
@@ -17,8 +18,10 @@ from rayapp.engine.sampler import make_generator
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.engine.scheduler import Scheduler
 from rayapp.engine.sequence import Sequence
+from rayapp.engine.sparse_kv import SparseKV
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
+from rayapp.sparse.policy import AttentionMode
 
 
 @dataclass
@@ -58,6 +61,9 @@ class LLMEngine:
             self.runner.num_pages, config.cache.block_size, self.model_id, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.sparse: SparseKV | None = None
+        if config.sparse.enabled:
+            self.sparse = self.runner.sparse = SparseKV(config, self.runner, self.block_manager, self.max_model_len)
         self.eos_token_ids = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -67,6 +73,19 @@ class LLMEngine:
         self._num_preemptions = 0
         # Set by `attach_tier`: the cluster KV tier, given by the caller (the engine does not import Ray).
         self.kv_transfer: KVTransfer | None = None
+
+    def use_sparse_config(self, sparse: SparseConfig) -> None:
+        """Switch the sparse settings between requests (the engine must be idle).
+
+        For evaluation: one prefill, many scorers, each run after the first hitting the prefix
+        cache. The device block cache keeps the size the engine was built with.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("use_sparse_config needs an idle engine: finish or abort the running requests first")
+        config = dataclasses.replace(self.config, sparse=sparse)
+        self.sparse = self.runner.sparse = (
+            SparseKV(config, self.runner, self.block_manager, self.max_model_len) if sparse.enabled else None
+        )
 
     @classmethod
     def from_options(cls, **options: Any) -> LLMEngine:
@@ -142,6 +161,8 @@ class LLMEngine:
             raise ValueError(f"got {len(block_hashes)} block hashes for a {len(ids)}-token prompt")
         seq = Sequence(request_id, ids, params, cache_salt=cache_salt, block_hashes=block_hashes)
         seq.generator = make_generator(params, self.runner.device)
+        if self.sparse is not None and self.sparse.policy.mode(len(ids)) is not AttentionMode.DENSE:
+            seq.min_recompute_tokens = min(len(ids), self.config.sparse.scoring_queries)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         return Request(seq, prompt, ids, detok, max_new)
 
@@ -151,6 +172,8 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req.seq, "abort")
+        if self.sparse is not None:
+            self.sparse.drop(req.seq)
         return self._output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
@@ -160,13 +183,22 @@ class LLMEngine:
         """Run one scheduling step; return an output for every request that made progress."""
         batch = self.scheduler.schedule()
         self._num_preemptions += len(batch.preempted)
+        if self.sparse is not None:
+            for seq in batch.preempted:  # recomputed from scratch when readmitted
+                self.sparse.drop(seq)
+            self.sparse.begin_step()
         if not batch.seqs:
             return []
         tokens = self.runner.run(batch)
-        outputs = []
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens):
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
+        if self.sparse is not None:
+            # Before tokens are appended: a sequence that finishes now frees its pages below.
+            self.sparse.after_step(batch.seqs)
+            self.sparse.end_step()
+        outputs = []
+        for seq, token in zip(batch.seqs, tokens):
             req = self._requests[seq.seq_id]
             if not req.counted_cached:
                 req.counted_cached = True
@@ -195,6 +227,8 @@ class LLMEngine:
         if reason is not None:
             delta += req.detokenizer.flush()
             self.scheduler.finish(seq, reason)
+            if self.sparse is not None:
+                self.sparse.drop(seq)
             del self._requests[seq.seq_id]
         return self._output(req, [token], delta, stop_reason)
 
@@ -235,9 +269,12 @@ class LLMEngine:
         return [AllCleared(), *self.block_manager.snapshot()]
 
     def stats(self) -> dict[str, int]:
-        """Cumulative counters since start and the current state of the page pool."""
+        """Cumulative counters since start and the current state of the page pool (and, with sparse
+        attention on, its `sparse_*` counters)."""
         bm = self.block_manager
+        sparse = self.sparse.stats() if self.sparse is not None else {}
         return {
+            **sparse,
             **self._counters,
             "num_preemptions": self._num_preemptions,
             "num_running": len(self.scheduler.running),

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -17,6 +18,9 @@ from rayapp.engine.sequence import Sequence
 from rayapp.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
 from rayapp.models.llama import load_model
 from rayapp.models.loader import ModelSpec, load_state_dict
+
+if TYPE_CHECKING:
+    from rayapp.engine.sparse_kv import DecodePlan, QueryCapture, SparseKV
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +36,17 @@ class AttentionMetadata:
     prefill_page_table: Tensor  # [Bp, max_pages]
     prefill_query_start_loc: Tensor  # [Bp + 1]
     prefill_context_lens: Tensor  # [Bp]
+    sparse_plan: DecodePlan | None = None  # set when some decode rows attend sparsely
+    sparse_capture: QueryCapture | None = None  # prefill queries kept to score retrieval blocks
 
 
 class PagedAttention:
     """The model's attention callable for one step: store K/V into the pages, then attend."""
 
-    def __init__(self, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> None:
-        self.k_cache, self.v_cache, self.meta, self.scale = k_cache, v_cache, meta, scale
+    def __init__(
+        self, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float, sparse: SparseKV | None = None
+    ) -> None:
+        self.k_cache, self.v_cache, self.meta, self.scale, self.sparse = k_cache, v_cache, meta, scale, sparse
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
@@ -46,15 +54,30 @@ class PagedAttention:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         store_kv(k, v, kc, vc, m.slot_mapping)
         nd = m.num_decode_tokens
+        if m.sparse_capture is not None:
+            assert self.sparse is not None
+            self.sparse.capture(layer, q[nd:], m.sparse_capture)
         if nd == q.shape[0]:
-            return paged_decode_attention(q, kc, vc, m.decode_page_table, m.decode_context_lens, self.scale)
+            return self._decode(layer, q, kc, vc)
         prefill = paged_prefill_attention(
             q[nd:], kc, vc, m.prefill_page_table, m.prefill_query_start_loc, m.prefill_context_lens, self.scale
         )
         if nd == 0:
             return prefill
-        decode = paged_decode_attention(q[:nd], kc, vc, m.decode_page_table, m.decode_context_lens, self.scale)
-        return torch.cat([decode, prefill])
+        return torch.cat([self._decode(layer, q[:nd], kc, vc), prefill])
+
+    def _decode(self, layer: int, q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
+        m, plan = self.meta, self.meta.sparse_plan
+        if plan is None:
+            return paged_decode_attention(q, kc, vc, m.decode_page_table, m.decode_context_lens, self.scale)
+        assert self.sparse is not None
+        out = torch.empty_like(q)
+        if plan.dense_idx.numel():
+            out[plan.dense_idx] = paged_decode_attention(
+                q[plan.dense_idx], kc, vc, plan.dense_table, plan.dense_ctx, self.scale
+            )
+        out[plan.sparse_idx] = self.sparse.attend(layer, q[plan.sparse_idx], kc, vc, plan, self.scale)
+        return out
 
 
 class ModelRunner:
@@ -70,7 +93,14 @@ class ModelRunner:
         self.model = load_model(spec, load_state_dict(model_path, self.dtype, str(self.device)))
         self.block_size = config.cache.block_size
         self.num_pages = config.cache.num_pages or self._pages_that_fit()
-        shape = (spec.num_layers, self.num_pages, self.block_size, spec.num_kv_heads, spec.head_dim)
+        # The device block cache of offloaded sequences: pages after the BlockManager's pool, only
+        # when some prompt can be long enough to offload.
+        sparse = config.sparse
+        limit = config.model.max_model_len or spec.max_position_embeddings
+        self.num_cache_blocks = sparse.device_cache_blocks if sparse.enabled and sparse.offload_boundary < limit else 0
+        cache_pages = self.num_cache_blocks * (sparse.retrieval_block_size // self.block_size)
+        self.sparse: SparseKV | None = None  # set by the engine when sparse attention is enabled
+        shape = (spec.num_layers, self.num_pages + cache_pages, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.scale = spec.head_dim**-0.5
@@ -91,7 +121,8 @@ class ModelRunner:
         """Compute the batch's tokens; return the sampled token of each sequence that reached its end
         (None for a sequence whose prefill chunk stopped short of its last token)."""
         input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(batch)
-        hidden = self.model(input_ids, positions, PagedAttention(self.k_cache, self.v_cache, meta, self.scale))
+        attention = PagedAttention(self.k_cache, self.v_cache, meta, self.scale, self.sparse)
+        hidden = self.model(input_ids, positions, attention)
         tokens: list[int | None] = [None] * len(batch.seqs)
         if not sample_rows:
             return tokens
@@ -133,6 +164,10 @@ class ModelRunner:
             prefill_query_start_loc=self._tensor([0] + [e - nd for e in ends[nd:]]),
             prefill_context_lens=self._tensor(prefill_lens),
         )
+        if self.sparse is not None and nd:
+            meta.sparse_plan = self.sparse.plan(batch.seqs[:nd], tables[:nd])
+        if self.sparse is not None and nd < len(batch.seqs):
+            meta.sparse_capture = self.sparse.plan_capture(batch.seqs[nd:], starts[nd:], batch.num_new_tokens[nd:])
         return self._tensor(ids), positions, meta, sample_rows, sample_seqs
 
     def _tensor(self, values: list[int]) -> Tensor:

@@ -56,6 +56,9 @@ class Sequence:
         self.num_preemptions = 0
         # Set by the engine for seeded sampling: the sequence's own random stream.
         self.generator: torch.Generator | None = None
+        # Prompt tokens a prefix-cache hit must leave to compute (sparse retrieval scores blocks with
+        # the queries of the prompt's last tokens, so they are recomputed, never served from cache).
+        self.min_recompute_tokens = 1
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,247 @@
+"""Sparse retrieval attention (RetrievalKV) vs dense: speed, KV bytes, device memory, quality. One run.
+
+    PYTHONPATH=. python bench/sparse_attention.py            # everything
+    PYTHONPATH=. python bench/sparse_attention.py --only quality --cases 12
+
+Speed and memory use a random-weight model of SmolLM2-135M's shape (30 layers, 9 query / 3 KV
+heads of 64) at 8K-64K contexts, since the shipped model stops at 8K. Quality uses the shipped
+SmolLM2 with settings scaled to its 8K context (init 64, window 512, retrieval block 64,
+dense boundary 1024, offload boundary 2048): needle-in-a-haystack over 1K-6K prompts, and greedy
+agreement with dense on natural text. Timings on a shared CPU are noisy; compare ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rayapp import LLM, SamplingParams
+from rayapp.config import SparseConfig
+from rayapp.sparse.evaluation import needle_case
+
+SCALED = SparseConfig(
+    enabled=True,
+    init_tokens=64,
+    local_tokens=512,
+    retrieval_block_size=64,
+    dense_boundary=1024,
+    offload_boundary=8192,  # quality runs on device; offload attends the same pages (tested)
+)
+
+
+def quality_variants(topks: tuple[float, ...] = (0.2, 0.1, 0.05)) -> dict[str, SparseConfig | None]:
+    """Dense, the plain scorers (one query), the default scorer, and the oracle, at each top-k."""
+    default = SparseConfig()
+    ours = f"multimean{default.representative_keys}/q{default.scoring_queries}"
+    v: dict[str, SparseConfig | None] = {"dense": None}
+    for topk in topks:
+        for name, rep in (("mean", "mean"), ("minmax", "minmax"), (ours, "multimean"), ("oracle", "oracle")):
+            plain = rep in ("mean", "minmax", "oracle")
+            v[f"{name}@{topk}"] = dataclasses.replace(
+                SCALED, representation=rep, topk_percent=topk, scoring_queries=1 if plain else default.scoring_queries
+            )
+    return v
+
+
+def natural_text() -> str | None:
+    """Long English prose found on this machine (vim's user manual, else Python's license)."""
+    for pattern in ("/usr/share/vim/vim*/doc/usr_0[1-5].txt", "/usr/lib/python3*/LICENSE.txt"):
+        files = sorted(Path("/").glob(pattern.lstrip("/")))
+        if files:
+            return "\n".join(f.read_text(errors="ignore") for f in files)
+    return None
+
+
+def run_quality(
+    num_cases: int, variants: dict[str, SparseConfig | None], new_tokens: int = 24, with_text: bool = True
+) -> None:
+    """Needle accuracy and greedy agreement with dense, each prompt prefilled once (prefix cache)."""
+    llm = LLM(dtype="float32", max_num_batched_tokens=2048)
+    tok = llm.get_tokenizer()
+    lengths = [1024 + round(i * 5000 / max(1, num_cases - 1)) for i in range(num_cases)]
+    depths = [0.1, 0.3, 0.5, 0.7, 0.9, 0.2, 0.4, 0.6, 0.8]
+    cases = [needle_case(tok, n, depths[i % len(depths)], seed=i) for i, n in enumerate(lengths)]
+    text = natural_text() if with_text else None
+    natural: list[list[int]] = []
+    if text:
+        ids = tok.encode(text)
+        natural = [ids[i * 300 : i * 300 + n] for i, n in enumerate((1500, 3000, 4500, 6000)) if len(ids) >= n]
+    found = {name: 0 for name in variants}
+    agree = {name: [] for name in variants}
+    needle_params = SamplingParams(temperature=0.0, max_tokens=16)
+    text_params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+    t0 = time.perf_counter()
+    for case in cases:
+        for name, cfg in variants.items():
+            llm.engine.use_sparse_config(cfg or dataclasses.replace(SCALED, enabled=False))
+            out = llm.generate(prompt_token_ids=case.prompt_token_ids, sampling_params=needle_params)[0]
+            found[name] += case.found(out.outputs[0].text)
+        print(
+            f"  case {len(case.prompt_token_ids)} tokens, depth {case.depth}: "
+            + ", ".join(f"{k}={v}" for k, v in found.items()),
+            flush=True,
+        )
+    for ids in natural:
+        reference: list[int] = []
+        for name, cfg in variants.items():
+            llm.engine.use_sparse_config(cfg or dataclasses.replace(SCALED, enabled=False))
+            got = llm.generate(prompt_token_ids=ids, sampling_params=text_params)[0].outputs[0].token_ids
+            reference = reference or got
+            same = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), len(reference))
+            agree[name].append(same / len(reference))
+    print(
+        f"\n## Quality on SmolLM2-135M ({len(cases)} needle cases, {lengths[0]}-{lengths[-1]} tokens; "
+        f"{len(natural)} natural-text prompts, first {new_tokens} greedy tokens; {time.perf_counter() - t0:.0f} s)"
+    )
+    print(f"{'scorer@topk':<18} {'needle found':>12} {'vs dense':>9} {'greedy agreement':>17}")
+    for name in variants:
+        ag = sum(agree[name]) / len(agree[name]) if agree[name] else float("nan")
+        ratio = found[name] / found["dense"] if found["dense"] else float("nan")
+        print(f"{name:<18} {found[name]:>6}/{len(cases):<5} {ratio:>9.2f} {ag:>17.2f}")
+
+
+def long_model_dir(max_len: int) -> Path:
+    """The shipped SmolLM2's weights with the position table stretched to `max_len` (RoPE extends;
+    the outputs past 8K are meaningless, the work per token is the real model's)."""
+    import json
+    import tempfile
+
+    from rayapp.models.loader import prepare_default_model
+
+    src = prepare_default_model()
+    dst = Path(tempfile.mkdtemp(prefix="rayapp-long-"))
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f)
+    config = json.loads((src / "config.json").read_text())
+    config["max_position_embeddings"] = max_len
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def run_speed(contexts: list[int], steps: int) -> None:
+    """Decode-step time (whole model and attention alone), KV bytes read, and device KV memory."""
+    from rayapp.engine.block_manager import OFFLOADED
+    from rayapp.engine.model_runner import PagedAttention
+    from rayapp.engine.scheduler import ScheduledBatch
+    from rayapp.engine.sequence import Sequence
+
+    attention_time = [0.0]
+    original = PagedAttention.__call__
+
+    def timed(self, layer, q, k, v):  # CPU ops are synchronous, so wall time is the op's time
+        t = time.perf_counter()
+        out = original(self, layer, q, k, v)
+        attention_time[0] += time.perf_counter() - t
+        return out
+
+    PagedAttention.__call__ = timed
+    default = SparseConfig(enabled=True, device_cache_blocks=128)
+    longest = max(contexts) + 64
+    llm = LLM(
+        model=str(long_model_dir(longest)),
+        dtype="float32",
+        num_pages=longest // 16 + 8,
+        # Built in offload mode so the device block cache exists; each run below picks its mode.
+        sparse=dataclasses.replace(default, dense_boundary=16000, offload_boundary=16000),
+        max_model_len=longest,
+    )
+    engine, runner = llm.engine, llm.engine.runner
+    spec = engine.spec
+    token_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * runner.dtype.itemsize
+    gen = torch.Generator().manual_seed(0)
+    modes = {
+        "dense": dataclasses.replace(default, enabled=False),
+        "sparse": dataclasses.replace(default, dense_boundary=16000, offload_boundary=10**6),
+        "offload": dataclasses.replace(default, dense_boundary=16000, offload_boundary=16000),
+    }
+    print("\n## Decode step, 1 sequence, SmolLM2-135M shape with its real weights (positions stretched), float32")
+    print("sparse: init 1024, window 7192, retrieval block 128, top-k 0.2, multimean scorer; times in ms")
+    header = f"{'context':>8} {'mode':>8} {'step':>8} {'attn':>8} {'step/dense':>10} {'attn/dense':>10}"
+    print(header + f" {'KV read MB':>10} {'read/dense':>10} {'device KV MB':>12} {'dev/dense':>9} {'copied':>7}")
+    for ctx in contexts:
+        dense_ref: dict[str, float] = {}
+        for mode, cfg in modes.items():
+            if mode != "dense" and ctx < cfg.dense_boundary:
+                continue
+            engine.use_sparse_config(cfg)
+            # A prefilled prompt of ctx - 1 tokens and one generated token to decode.
+            seq = Sequence(f"bench-{ctx}-{mode}", [1] * (ctx - 1), SamplingParams(max_tokens=steps + 2))
+            seq.append_token(1)
+            engine.block_manager.allocate(seq, ctx)
+            pages = torch.tensor(seq.block_table)
+            # Random K/V, not zeros: scores must rank blocks as they would on real keys' spread.
+            for cache in (runner.k_cache, runner.v_cache):
+                cache[:, pages] = torch.randn(cache[:, pages].shape, generator=gen, dtype=cache.dtype)
+            seq.num_computed_tokens = ctx - 1
+            if engine.sparse is not None:
+                engine.sparse.after_step([seq])  # representations, and offload in offload mode
+            device_pages = sum(1 for p in seq.block_table if p != OFFLOADED)
+            times, attn = [], []
+            for step in range(steps + 1):
+                batch = ScheduledBatch(seqs=[seq], num_new_tokens=[1], num_decodes=1)
+                if engine.sparse is not None:
+                    engine.sparse.begin_step()
+                attention_time[0] = 0.0
+                t = time.perf_counter()
+                runner.run(batch)
+                if step:
+                    times.append(time.perf_counter() - t)
+                    attn.append(attention_time[0])
+                if engine.sparse is not None:
+                    engine.sparse.end_step()
+            stats = engine.stats()
+            copied = stats.get("sparse_blocks_copied_last_step", 0)
+            if engine.sparse is None:
+                read_tokens = ctx
+                device_tokens = ctx
+            else:
+                p = engine.sparse.policy
+                k = p.num_selected(p.num_middle_blocks(ctx))
+                read_tokens = ctx - (p.num_middle_blocks(ctx) - k) * p.config.retrieval_block_size
+                device_tokens = device_pages * 16
+                if mode == "offload":
+                    device_tokens += runner.num_cache_blocks * p.config.retrieval_block_size
+            step_ms, attn_ms = 1e3 * _median(times), 1e3 * _median(attn)
+            read_mb, dev_mb = read_tokens * token_bytes / 2**20, device_tokens * token_bytes / 2**20
+            if mode == "dense":
+                dense_ref = {"step": step_ms, "attn": attn_ms, "read": read_mb, "dev": dev_mb}
+            print(
+                f"{ctx:>8} {mode:>8} {step_ms:>8.1f} {attn_ms:>8.1f} {step_ms / dense_ref['step']:>10.2f} "
+                f"{attn_ms / dense_ref['attn']:>10.2f} {read_mb:>10.1f} {read_mb / dense_ref['read']:>10.2f} "
+                f"{dev_mb:>12.1f} {dev_mb / dense_ref['dev']:>9.2f} {copied:>7}"
+            )
+            engine.block_manager.free(seq)
+            if engine.sparse is not None:
+                engine.sparse.drop(seq)
+    PagedAttention.__call__ = original
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["speed", "quality"], default=None)
+    parser.add_argument("--cases", type=int, default=12, help="needle cases (1K-6K tokens)")
+    parser.add_argument("--topk", type=float, nargs="+", default=[0.2, 0.1, 0.05])
+    parser.add_argument("--no-text", action="store_true", help="skip greedy agreement on natural text")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    parser.add_argument("--steps", type=int, default=5, help="timed decode steps per setting (after one warm-up)")
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; python {sys.version.split()[0]}")
+    if args.only in (None, "speed"):
+        run_speed(args.contexts, args.steps)
+    if args.only in (None, "quality"):
+        run_quality(args.cases, quality_variants(tuple(args.topk)), with_text=not args.no_text)
+
+
+if __name__ == "__main__":
+    main()

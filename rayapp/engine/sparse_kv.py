@@ -1,0 +1,394 @@
+"""Sparse retrieval attention in the engine: per-sequence state, per-step plans, per-layer attention.
+
+Each sequence's mode follows its prompt length (`RetrievalPolicy.mode`). Sparse sequences get a
+row in the representation store; after each step, blocks that filled get their representation
+(all layers at once) and offload-mode sequences past their prefill move new middle blocks to the
+host pool, releasing their device pages. Each decode step, per layer: score the middle blocks
+with the step's query, keep the top-k per KV head, copy missing blocks into the device block
+cache (offload mode), and attend over init + selected + window pages. Prefill stays dense.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rayapp.config import EngineConfig
+from rayapp.engine.block_manager import BlockManager
+from rayapp.engine.sequence import Sequence
+from rayapp.kernels.attention import paged_decode_attention
+from rayapp.kernels.retrieval import (
+    REPRESENTATIVE_ROWS,
+    block_representation,
+    oracle_block_scores,
+    score_blocks,
+    select_topk_blocks,
+    sparse_decode_attention,
+)
+from rayapp.sparse.block_cache import DeviceBlockCache
+from rayapp.sparse.host_pool import HostBlockPool, copy_blocks_to_host
+from rayapp.sparse.policy import AttentionMode, RetrievalPolicy
+
+
+@dataclass
+class _SeqState:
+    mode: AttentionMode
+    row: int = -1  # row in the representation store; -1 for dense sequences
+    num_represented: int = 0  # leading retrieval blocks with a representation
+    num_offloaded: int = 0  # leading middle blocks moved to the host pool
+    host_blocks: list[int] = field(default_factory=list)
+    steps_since_select: int = 0
+    selected_for: int = -1  # middle size the stored selection was made for
+
+
+@dataclass
+class DecodePlan:
+    """One step's sparse decode work. Indices refer to the step's decode rows."""
+
+    dense_idx: Tensor  # [Bd] decode rows attending densely
+    dense_table: Tensor  # [Bd, w] their page tables (only as wide as they need)
+    dense_ctx: Tensor  # [Bd]
+    sparse_idx: Tensor  # [Bs] decode rows attending sparsely
+    rows: Tensor  # [Bs] store rows
+    num_middle: Tensor  # [Bs]
+    num_selected: Tensor  # [Bs]
+    fixed_pages: Tensor  # [Bs, nf] init + window pages
+    fixed_lens: Tensor  # [Bs, nf] valid tokens per fixed page (0: padding)
+    middle_pages: Tensor  # [Bs, N, ppb] device pages of each middle block (sparse mode rows)
+    full_table: Tensor  # [Bs, w] whole page table (dense layers of sparse-mode rows)
+    full_ctx: Tensor  # [Bs]
+    offload: Tensor  # [Bs] bool
+    reselect: Tensor | None  # [Bs] bool rows due for a new selection; None: all
+    query_slots: Tensor  # [Bs] where this step's query goes in the recent-query ring
+    # Host-side copies of what each layer branches on, so no layer waits on a device sync.
+    max_selected: int = 0
+    any_offload: bool = False
+    any_reselect: bool = True
+
+
+@dataclass
+class QueryCapture:
+    """Prefill rows whose queries (the prompt's last `scoring_queries` tokens) are kept for scoring."""
+
+    src: Tensor  # [M] rows of the step's prefill queries
+    rows: Tensor  # [M] store rows
+    slots: Tensor  # [M] ring slots
+
+
+class SparseKV:
+    """Retrieval state of one engine's sequences; reads and writes the ModelRunner's KV pools."""
+
+    # Entry points run in inference mode (the ModelRunner's, for the others): tensors created in it
+    # may only be updated in it.
+    def __init__(self, config: EngineConfig, runner, block_manager: BlockManager, max_model_len: int) -> None:
+        self.cfg = config.sparse
+        self.bm = block_manager
+        self.runner = runner
+        self.policy = RetrievalPolicy(self.cfg, config.cache.block_size)
+        spec = runner.spec
+        self.L, self.Hkv, self.D = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        self.device = runner.device
+        self.dense_layers = frozenset(self.cfg.dense_layers)
+        self.max_blocks = math.ceil(max_model_len / self.cfg.retrieval_block_size) + 1
+        kind = self.cfg.representation
+        self.rep_rows = 0 if kind == "oracle" else REPRESENTATIVE_ROWS[kind](self.cfg.representative_keys)
+        self.rows_cap = 0
+        self._free_rows: list[int] = []
+        self.reps = torch.zeros(self.L, 0, self.max_blocks, self.Hkv, self.rep_rows, self.D, device=self.device)
+        self.host_ids = torch.zeros(0, self.max_blocks, dtype=torch.int64, device=self.device)
+        self.selection = torch.zeros(self.L, 0, self.Hkv, self.max_blocks, dtype=torch.int64, device=self.device)
+        self.W, self.Hq = self.cfg.scoring_queries, spec.num_heads
+        # Ring of each row's recent queries per layer, and which slots hold one.
+        self.queries = torch.zeros(self.L, 0, self.W, self.Hq, self.D, device=self.device)
+        self.query_valid = torch.zeros(0, self.W, dtype=torch.bool, device=self.device)
+        rb = self.cfg.retrieval_block_size
+        block_bytes = 2 * self.L * rb * self.Hkv * self.D * runner.dtype.itemsize
+        self.pool = HostBlockPool(
+            (self.L, rb, self.Hkv, self.D),
+            runner.dtype,
+            max(1, int(self.cfg.host_pool_memory_gb * 2**30) // block_bytes),
+            pin=self.device.type == "cuda",
+        )
+        self.cache = DeviceBlockCache(
+            self.L,
+            self.Hkv,
+            runner.num_cache_blocks,
+            runner.num_pages,
+            self.policy.pages_per_block,
+            0,
+            self.max_blocks,
+            self.device,
+        )
+        self._states: dict[str, _SeqState] = {}
+        self.counters = {f"sparse_seqs_{m.value}": 0 for m in AttentionMode}
+        self.counters.update(sparse_selected_blocks=0, sparse_blocks_offloaded=0)
+        self.last_step = {"sparse_selected_blocks_last_step": 0, "sparse_blocks_copied_last_step": 0}
+
+    # --- per-sequence state ---------------------------------------------------------------
+
+    def state(self, seq: Sequence) -> _SeqState:
+        st = self._states.get(seq.seq_id)
+        if st is None:
+            st = _SeqState(self.policy.mode(seq.num_prompt_tokens))
+            self.counters[f"sparse_seqs_{st.mode.value}"] += 1
+            if st.mode is not AttentionMode.DENSE:
+                st.row = self._take_row()
+            self._states[seq.seq_id] = st
+        return st
+
+    @torch.inference_mode()
+    def drop(self, seq: Sequence) -> None:
+        """Forget `seq` (finished, aborted or preempted): its row, host blocks and cached blocks."""
+        st = self._states.pop(seq.seq_id, None)
+        if st is None or st.row < 0:
+            return
+        self.pool.release(st.host_blocks)
+        self.cache.forget_row(st.row)
+        self._free_rows.append(st.row)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            old, new = self.rows_cap, max(4, 2 * self.rows_cap)
+            shape = (self.L, new - old, self.max_blocks, self.Hkv, self.rep_rows, self.D)
+            self.reps = torch.cat([self.reps, torch.zeros(shape, device=self.device)], 1)
+            self.host_ids = torch.cat(
+                [self.host_ids, torch.zeros(new - old, self.max_blocks, dtype=torch.int64, device=self.device)], 0
+            )
+            extra = torch.zeros(self.L, new - old, self.Hkv, self.max_blocks, dtype=torch.int64, device=self.device)
+            self.selection = torch.cat([self.selection, extra], 1)
+            self.cache.grow_rows(new)
+            q_extra = torch.zeros(self.L, new - old, self.W, self.Hq, self.D, device=self.device)
+            self.queries = torch.cat([self.queries, q_extra], 1)
+            self.query_valid = torch.cat([self.query_valid, self.query_valid.new_zeros(new - old, self.W)])
+            self._free_rows = list(range(new - 1, old - 1, -1))
+            self.rows_cap = new
+        row = self._free_rows.pop()
+        self.query_valid[row] = False
+        return row
+
+    # --- after each step: representations and offload -----------------------------------
+
+    @torch.inference_mode()
+    def after_step(self, seqs: list[Sequence]) -> None:
+        """Represent the blocks that filled this step; offload middle blocks of offload-mode sequences."""
+        p, ppb = self.policy, self.policy.pages_per_block
+        rep_pages, rep_rows, rep_blocks = [], [], []
+        off_pages, off_seqs = [], []
+        for seq in seqs:
+            st = self.state(seq)
+            if st.mode is AttentionMode.DENSE:
+                continue
+            filled = p.num_filled_blocks(seq.num_computed_tokens)
+            for j in range(st.num_represented, filled if self.rep_rows else 0):
+                first = p.init_pages + j * ppb
+                rep_pages.append(seq.block_table[first : first + ppb])
+                rep_rows.append(st.row)
+                rep_blocks.append(j)
+            st.num_represented = max(st.num_represented, filled)
+            if st.mode is AttentionMode.OFFLOAD and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                middle = p.num_middle_blocks(seq.num_computed_tokens + 1)
+                for j in range(st.num_offloaded, middle):
+                    first = p.init_pages + j * ppb
+                    off_pages.append(seq.block_table[first : first + ppb])
+                    off_seqs.append((seq, st, j))
+        if rep_pages:
+            self._represent(rep_pages, rep_rows, rep_blocks)
+        if off_pages:
+            self._offload(off_pages, off_seqs)
+
+    def _represent(self, pages: list[list[int]], rows: list[int], blocks: list[int]) -> None:
+        k_cache = self.runner.k_cache  # [L, P, bs, Hkv, D]
+        n, rb = len(pages), self.cfg.retrieval_block_size
+        # keys: [L * n, rb, Hkv, D]
+        keys = k_cache.index_select(1, self._tensor(pages).view(-1)).view(self.L * n, rb, self.Hkv, self.D)
+        reps = block_representation(keys, self.cfg.representation, self.cfg.representative_keys)
+        self.reps[:, self._tensor(rows), self._tensor(blocks)] = reps.view(self.L, n, self.Hkv, self.rep_rows, self.D)
+
+    def _offload(self, pages: list[list[int]], owners: list[tuple[Sequence, _SeqState, int]]) -> None:
+        ids = self.pool.allocate(len(pages))
+        page_t = self._tensor(pages)
+        copy_blocks_to_host(self.pool, self.runner.k_cache, page_t, ids, is_v=False)
+        copy_blocks_to_host(self.pool, self.runner.v_cache, page_t, ids, is_v=True)
+        ppb, init = self.policy.pages_per_block, self.policy.init_pages
+        for (seq, st, j), host_id in zip(owners, ids):
+            self.host_ids[st.row, j] = host_id
+            st.host_blocks.append(host_id)
+            st.num_offloaded = j + 1
+            self.bm.release_pages(seq, list(range(init + j * ppb, init + (j + 1) * ppb)))
+        self.counters["sparse_blocks_offloaded"] += len(pages)
+
+    # --- decode ----------------------------------------------------------------------------
+
+    def plan(self, seqs: list[Sequence], tables: Tensor) -> DecodePlan | None:
+        """The sparse plan for decode rows `seqs` (whose page tables are `tables`' first rows), or None
+        when every one of them is dense (then the engine runs exactly its dense path)."""
+        states = [self.state(s) for s in seqs]
+        sparse = [i for i, st in enumerate(states) if st.mode is not AttentionMode.DENSE]
+        if not sparse:
+            return None
+        p, bs, ppb = self.policy, self.policy.block_size, self.policy.pages_per_block
+        dense = [i for i, st in enumerate(states) if st.mode is AttentionMode.DENSE]
+        fixed, lens, mids, ks, due, ctxs = [], [], [], [], [], []
+        for i in sparse:
+            seq, st = seqs[i], states[i]
+            ctx = seq.num_computed_tokens + 1
+            n_mid = p.num_middle_blocks(ctx)
+            total = math.ceil(ctx / bs)
+            pages = seq.block_table[: p.init_pages] + seq.block_table[p.window_start_page(ctx) : total]
+            last = ctx - (total - 1) * bs
+            fixed.append(pages)
+            lens.append([bs] * (len(pages) - 1) + [last])
+            mids.append(n_mid)
+            ks.append(p.num_selected(n_mid))
+            due.append(st.steps_since_select % self.cfg.retrieval_stride == 0 or st.selected_for != n_mid)
+            st.steps_since_select = 0 if due[-1] else st.steps_since_select + 1
+            if due[-1]:
+                st.selected_for = n_mid
+            ctxs.append(ctx)
+        rows = self._tensor([states[i].row for i in sparse])
+        query_slots = (self._tensor(ctxs) - 1) % self.W
+        self.query_valid[rows, query_slots] = True
+        n_max = max(mids)
+        width = max(map(len, fixed))
+        sparse_t = self._tensor(sparse)
+        mid_cols = p.init_pages + torch.arange(n_max * ppb, device=self.device)
+        mid_cols = mid_cols.clamp(max=max(tables.shape[1] - 1, 0))
+        dense_w = max((len(seqs[i].block_table) for i in dense), default=0)
+        full_w = max(len(seqs[i].block_table) for i in sparse)
+        self.last_step["sparse_selected_blocks_last_step"] = sum(ks)
+        self.counters["sparse_selected_blocks"] += sum(ks)
+        return DecodePlan(
+            dense_idx=self._tensor(dense),
+            dense_table=tables[self._tensor(dense), :dense_w],
+            dense_ctx=self._tensor([seqs[i].num_computed_tokens + 1 for i in dense]),
+            sparse_idx=sparse_t,
+            rows=rows,
+            num_middle=self._tensor(mids),
+            num_selected=self._tensor(ks),
+            fixed_pages=self._tensor([f + [0] * (width - len(f)) for f in fixed]),
+            fixed_lens=self._tensor([n + [0] * (width - len(n)) for n in lens]),
+            middle_pages=tables[sparse_t][:, mid_cols].clamp(min=0).view(len(sparse), n_max, ppb),
+            full_table=tables[sparse_t, :full_w].clamp(min=0),
+            full_ctx=self._tensor(ctxs),
+            offload=torch.tensor([states[i].mode is AttentionMode.OFFLOAD for i in sparse], device=self.device),
+            reselect=None if all(due) else torch.tensor(due, device=self.device),
+            query_slots=query_slots,
+            max_selected=max(ks),
+            any_offload=any(states[i].mode is AttentionMode.OFFLOAD for i in sparse),
+            any_reselect=any(due),
+        )
+
+    def plan_capture(self, seqs: list[Sequence], starts: list[int], num_new: list[int]) -> QueryCapture | None:
+        """Which of this step's prefill queries to keep: those of each sparse prompt's last tokens."""
+        if self.W == 1:
+            return None  # the decode query alone scores
+        src, rows, slots = [], [], []
+        offset = 0
+        for seq, start, n in zip(seqs, starts, num_new):
+            st = self.state(seq)
+            first = max(start, seq.num_prompt_tokens - self.W)
+            if st.mode is not AttentionMode.DENSE and first < start + n:
+                positions = range(first, start + n)
+                src.extend(offset + pos - start for pos in positions)
+                rows.extend([st.row] * len(positions))
+                slots.extend(pos % self.W for pos in positions)
+            offset += n
+        if not src:
+            return None
+        cap = QueryCapture(self._tensor(src), self._tensor(rows), self._tensor(slots))
+        self.query_valid[cap.rows, cap.slots] = True
+        return cap
+
+    def capture(self, layer: int, q: Tensor, cap: QueryCapture) -> None:
+        """Keep the captured prefill queries of `layer`. q: [T, Hq, D], the step's prefill queries."""
+        self.queries[layer, cap.rows, cap.slots] = q[cap.src].float()
+
+    def attend(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: DecodePlan, scale: float) -> Tensor:
+        """Attention of the sparse decode rows at `layer`. q: [Bs, Hq, D] -> [Bs, Hq, D]."""
+        if layer in self.dense_layers and not plan.any_offload:
+            return paged_decode_attention(q, k_cache, v_cache, plan.full_table, plan.full_ctx, scale)
+        blocks, valid = self._select(layer, q, k_cache, plan, scale)
+        Bs, Hkv, K = blocks.shape
+        bs, ppb = self.policy.block_size, self.policy.pages_per_block
+        rows = torch.arange(Bs, device=self.device)[:, None, None]
+        # pages: [Bs, Hkv, K, ppb]
+        pages = plan.middle_pages[rows, blocks]
+        if plan.any_offload:
+            off = plan.offload.nonzero().squeeze(1)
+            o_rows, o_blocks = plan.rows[off], blocks[off]
+            host = self.host_ids[o_rows[:, None, None], o_blocks]
+            slots = self.cache.fetch(layer, o_rows, o_blocks, valid[off], host, self.pool, k_cache, v_cache)
+            pages[off] = self.cache.slot_pages(slots)
+        sel_lens = (valid.to(torch.int64) * bs)[:, :, None].expand(Bs, K, ppb).reshape(Bs, K * ppb)
+        nf = plan.fixed_pages.shape[1]
+        table = torch.cat([plan.fixed_pages[:, None].expand(Bs, Hkv, nf), pages.view(Bs, Hkv, K * ppb)], dim=2)
+        lens = torch.cat([plan.fixed_lens, sel_lens], dim=1)
+        out = sparse_decode_attention(q, k_cache, v_cache, table, lens, scale)
+        if layer in self.dense_layers:  # sparse-mode rows stay dense here; offload rows cannot
+            dense_rows = (~plan.offload).nonzero().squeeze(1)
+            out[dense_rows] = paged_decode_attention(
+                q[dense_rows], k_cache, v_cache, plan.full_table[dense_rows], plan.full_ctx[dense_rows], scale
+            )
+        return out
+
+    def _select(self, layer: int, q: Tensor, k_cache: Tensor, plan: DecodePlan, scale: float) -> tuple[Tensor, Tensor]:
+        """Top-k middle blocks per row and KV head: blocks [Bs, Hkv, K], valid [Bs, K]."""
+        K = plan.max_selected
+        valid = torch.arange(K, device=self.device) < plan.num_selected[:, None]
+        stored = self.selection[layer, plan.rows, :, :K]  # [Bs, Hkv, K]
+        if not plan.any_reselect:
+            return stored, valid
+        if self.rep_rows == 0:
+            if plan.any_offload:
+                raise ValueError("representation='oracle' reads every middle key and cannot serve offloaded sequences")
+            scores = oracle_block_scores(q, k_cache, plan.middle_pages, plan.num_middle, scale)
+        else:
+            n_max = plan.middle_pages.shape[1]
+            scores = score_blocks(
+                self._scoring_queries(layer, q, plan), self.reps[layer, plan.rows, :n_max], self.cfg.representation
+            )
+        blocks, valid = select_topk_blocks(scores, plan.num_middle, plan.num_selected)
+        if self.cfg.retrieval_stride > 1:
+            if plan.reselect is not None:
+                blocks = torch.where(plan.reselect[:, None, None], blocks, stored)
+            self.selection[layer, plan.rows, :, :K] = blocks
+        return blocks, valid
+
+    def _scoring_queries(self, layer: int, q: Tensor, plan: DecodePlan) -> Tensor:
+        """q [Bs, Hq, D] and the rows' recent queries as extra query heads: [Bs, Hkv * W * G, D]."""
+        if self.W == 1:
+            return q
+        Bs, G = q.shape[0], self.Hq // self.Hkv
+        self.queries[layer, plan.rows, plan.query_slots] = q.float()
+        recent = self.queries[layer, plan.rows]  # [Bs, W, Hq, D]
+        # A slot never filled (a prompt's prefix came from cache) repeats the current query instead.
+        valid = self.query_valid[plan.rows][:, :, None, None]
+        recent = torch.where(valid, recent, q.float()[:, None])
+        return recent.view(Bs, self.W, self.Hkv, G, self.D).transpose(1, 2).reshape(Bs, -1, self.D)
+
+    def stats(self) -> dict[str, int]:
+        cs = self.cache.stats
+        running = [st.mode for st in self._states.values()]
+        return {
+            **self.counters,
+            **self.last_step,
+            "sparse_running_sparse": running.count(AttentionMode.SPARSE),
+            "sparse_running_offload": running.count(AttentionMode.OFFLOAD),
+            "sparse_cache_hits": cs.hits,
+            "sparse_cache_misses": cs.misses,
+            "sparse_device_cache_pages": self.runner.num_cache_blocks * self.policy.pages_per_block,
+            "sparse_host_pages_held": self.pool.num_used * self.policy.pages_per_block,
+        }
+
+    def begin_step(self) -> None:
+        self.last_step["sparse_blocks_copied_last_step"] = -self.cache.stats.misses
+        self.last_step["sparse_selected_blocks_last_step"] = 0
+
+    def end_step(self) -> None:
+        self.last_step["sparse_blocks_copied_last_step"] += self.cache.stats.misses
+
+    def _tensor(self, values: list) -> Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
