@@ -30,6 +30,24 @@ ENGINE_COUNTERS = {
     "generation_tokens": "Tokens generated",
     "num_preemptions": "Sequences preempted (recomputed later) because KV pages ran out",
 }
+# Only with sparse attention on (`sparse.enabled`): its engine reports these too.
+SPARSE_COUNTERS = {
+    "sparse_seqs_dense": "Sequences whose prompt put them in dense attention mode",
+    "sparse_seqs_sparse": "Sequences in sparse retrieval mode, all pages on device",
+    "sparse_seqs_offload": "Sequences in sparse retrieval mode with their middle offloaded to host memory",
+    "sparse_selected_blocks": "Middle retrieval blocks selected for attention, summed over steps and layers",
+    "sparse_blocks_offloaded": "Retrieval blocks moved to the host pool",
+    "sparse_cache_hits": "Selected offloaded blocks already in the device block cache",
+    "sparse_cache_misses": "Selected offloaded blocks copied in from the host pool",
+}
+SPARSE_GAUGES = {
+    "sparse_running_sparse": "Running sequences in sparse retrieval mode",
+    "sparse_running_offload": "Running sequences in sparse retrieval mode with offload",
+    "sparse_selected_blocks_last_step": "Retrieval blocks selected in the last step",
+    "sparse_blocks_copied_last_step": "Blocks copied host-to-device in the last step",
+    "sparse_host_pages_held": "KV pages held in the host pool",
+    "sparse_device_cache_pages": "KV pages of the device block cache",
+}
 ENGINE_GAUGES = {
     "pages_free": "KV pages no sequence holds (cached ones included)",
     "pages_total": "KV pages in the pool",
@@ -37,6 +55,9 @@ ENGINE_GAUGES = {
     "num_running": "Sequences in the running batch",
     "num_waiting": "Sequences queued for admission",
 }
+
+COUNTERS = {**ENGINE_COUNTERS, **SPARSE_COUNTERS}
+GAUGES = {**ENGINE_GAUGES, **SPARSE_GAUGES}
 
 
 @dataclass
@@ -78,7 +99,7 @@ class ReplicaMetrics:
         )
         self._ray_engine = {
             name: ray_metrics.Gauge(f"rayapp_{name}", text, tag_keys=("replica",))
-            for name, text in {**ENGINE_COUNTERS, **ENGINE_GAUGES}.items()
+            for name, text in {**COUNTERS, **GAUGES}.items()
         }
         for metric in (self._ray_ttft, self._ray_itl, *self._ray_engine.values()):
             metric.set_default_tags(tags)
@@ -96,10 +117,11 @@ class ReplicaMetrics:
         self._ray_requests.inc(tags={"replica": self.replica, "finish_reason": reason})
 
     def snapshot(self, engine_stats: dict[str, int]) -> dict[str, Any]:
-        for name, gauge in self._ray_engine.items():
-            gauge.set(engine_stats[name])
+        engine = {k: v for k, v in engine_stats.items() if k in COUNTERS or k in GAUGES}
+        for name, value in engine.items():
+            self._ray_engine[name].set(value)
         return {
-            "engine": {k: engine_stats[k] for k in (*ENGINE_COUNTERS, *ENGINE_GAUGES)},
+            "engine": engine,
             "requests": dict(self.requests),
             "ttft": (list(self.ttft.counts), self.ttft.total),
             "itl": (list(self.itl.counts), self.itl.total),
@@ -210,14 +232,14 @@ class _Collector:
             "rayapp_requests", "Requests finished by a replica, by finish reason", labels=["replica", "finish_reason"]
         )
         families = {
-            **{n: CounterMetricFamily(f"rayapp_{n}", t, labels=["replica"]) for n, t in ENGINE_COUNTERS.items()},
-            **{n: GaugeMetricFamily(f"rayapp_{n}", t, labels=["replica"]) for n, t in ENGINE_GAUGES.items()},
+            **{n: CounterMetricFamily(f"rayapp_{n}", t, labels=["replica"]) for n, t in COUNTERS.items()},
+            **{n: GaugeMetricFamily(f"rayapp_{n}", t, labels=["replica"]) for n, t in GAUGES.items()},
         }
         ttft = HistogramMetricFamily("rayapp_time_to_first_token_seconds", "Time to first token", labels=["replica"])
         itl = HistogramMetricFamily("rayapp_inter_token_latency_seconds", "Time between tokens", labels=["replica"])
         for replica, snap in sorted(self.replicas.items()):
-            for name, family in families.items():
-                family.add_metric([replica], snap["engine"][name])
+            for name, value in snap["engine"].items():
+                families[name].add_metric([replica], value)
             for reason, n in sorted(snap["requests"].items()):
                 requests.add_metric([replica, reason], n)
             for family, (counts, total) in ((ttft, snap["ttft"]), (itl, snap["itl"])):
