@@ -194,7 +194,11 @@ def _fresh(snapshots: dict[str, tuple[float, dict[str, Any]]]) -> dict[str, tupl
 
 
 def metrics_hub(app_name: str) -> ray.actor.ActorHandle:
-    """The application's hub, created by whichever replica or ingress asks first."""
+    """The application's hub, created by whichever replica or ingress asks first.
+
+    Refuses to run without Ray rather than start one (a router thread outliving `ray.shutdown` would)."""
+    if not ray.is_initialized():
+        raise RuntimeError("Ray is not running: the metrics hub cannot be reached")
     return MetricsHub.options(
         name=f"rayapp-metrics-{app_name}", namespace="rayapp", get_if_exists=True, lifetime="detached"
     ).remote()

@@ -97,7 +97,10 @@ def prefix_index(app_name: str, config: RouterConfig) -> ray.actor.ActorHandle:
 
     Detached and restarted by Ray if it dies: replicas then resend snapshots, routers fall back
     to power-of-two choices until it answers again. Blocks on the GCS: call it off the event loop.
+    Refuses to run without Ray rather than start one (a router thread outliving `ray.shutdown` would).
     """
+    if not ray.is_initialized():
+        raise RuntimeError("Ray is not running: the PrefixIndex actor cannot be reached")
     return PrefixIndexActor.options(
         name=f"rayapp-prefix-index-{app_name}",
         namespace=NAMESPACE,

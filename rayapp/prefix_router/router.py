@@ -15,6 +15,7 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -62,14 +63,19 @@ class PrefixAwareRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        if self._index is not None:
-            self._index.remove_replica.remote(replica_id.unique_id)
+        self._forget([replica_id])
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         gone = set(self.curr_replicas) - {r.replica_id for r in replicas}
         super().update_replicas(replicas)
-        if self._index is not None:
-            for replica_id in gone:  # scaled down or replaced: its pages are no longer routable
+        self._forget(gone)  # scaled down or replaced: its pages are no longer routable
+
+    def _forget(self, replica_ids: Iterable[ReplicaID]) -> None:
+        """Tell the index these replicas are gone; if it cannot hear it now, its silence timeout will do."""
+        if self._index is None:
+            return
+        with contextlib.suppress(Exception):
+            for replica_id in replica_ids:
                 self._index.remove_replica.remote(replica_id.unique_id)
 
     async def _match(self, hashes: list[int], replicas: list[str]) -> dict[str, Holding] | None:
@@ -100,7 +106,10 @@ class PrefixAwareRouter(RequestRouter):
         return {r: n for r, n in known.items() if n is not None}
 
     async def _push_metrics(self) -> None:
-        hub = await asyncio.to_thread(metrics_hub, self.app_name)
+        try:
+            hub = await asyncio.to_thread(metrics_hub, self.app_name)
+        except RuntimeError:  # Ray shut down under this router (a driver's handle): nothing to push to
+            return
         router_id = f"{self._deployment_id.name}@{id(self):x}"
         while True:
             with contextlib.suppress(Exception):  # metrics must never disturb routing

@@ -26,8 +26,10 @@ def _serve_app(config: AppConfig) -> Iterator[str]:
         serve.run(build(config), name="rayapp", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
 
 
 @pytest.fixture(scope="session")
