@@ -18,6 +18,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from ray import serve
+from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from rayapp.config import RouterConfig
@@ -29,6 +31,19 @@ logger = logging.getLogger(__name__)
 
 # After the index failed (not merely slow), it is not asked again for this long.
 INDEX_RETRY_S = 1.0
+
+
+def _in_serve_replica() -> bool:
+    """Whether this router runs in a Serve replica (the ingress), not in a driver's handle.
+
+    Only a replica's routers push metrics: a driver's (a test's, a script's) would keep calling Ray
+    from Serve's router thread after the driver's `ray.shutdown`, which ends the process.
+    """
+    try:
+        serve.get_replica_context()
+    except RayServeException:
+        return False
+    return True
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -48,7 +63,7 @@ class PrefixAwareRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         start = time.perf_counter()
-        if self._pusher is None:
+        if self._pusher is None and _in_serve_replica():
             self._pusher = asyncio.get_running_loop().create_task(self._push_metrics())
         request = pending_request.args[0] if pending_request is not None and pending_request.args else None
         hashes = getattr(request, "block_hashes", None) or []
