@@ -7,7 +7,7 @@ A 4K-token history of SmolLM2-135M is 256 blocks of 16 tokens, each block all 30
   (b) put: a replica-like caller hands the history to its node's KVTierStore actor in one
       `put_many` (bytes into the object store, owned by the store, plus one catalog upsert batch);
   (c) get: `get_many` for the history's refs, then `ray.get` of every block, raw and decoded; and
-      the whole load a replica would do: catalog lookup + `load_chain_sync` (fetch, decode, verify
+      the whole load a replica would do: catalog lookup + `load_chain` (fetch, decode, verify
       hash, parent, tokens and tenant of every block);
   (d) catalog: `longest_chain` of a full 256-hash history against a table holding other rows too,
       p50 / p99 over many lookups (one SQL round trip each).
@@ -34,7 +34,7 @@ from rayapp.engine.kv_events import hash_blocks
 from rayapp.kvtier.catalog import BlockRow, Catalog
 from rayapp.kvtier.codec import KVBlock, decode_block, encode_block
 from rayapp.kvtier.embedded import start_embedded_database, stop_embedded_database
-from rayapp.kvtier.loader import load_chain_sync
+from rayapp.kvtier.loader import load_chain
 from rayapp.kvtier.store import get_or_create_store
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 30, 16, 3, 64
@@ -100,7 +100,7 @@ def main() -> None:
             tokens = [t for b in blocks for t in b.token_ids]
             t0 = time.perf_counter()
             match = catalog.longest_chain(hashes)
-            loaded = load_chain_sync(match, tokens, BLOCK, ("smollm2-135m", f"tenant-{r}"))
+            loaded = load_chain(match, tokens, BLOCK, ("smollm2-135m", f"tenant-{r}"))
             load_s.append(time.perf_counter() - t0)
             assert len(loaded) == len(blocks)
             del loaded
@@ -149,7 +149,7 @@ def main() -> None:
         ("put_many -> store actor (object store + catalog)", put_s),
         ("get_many + ray.get (zero-copy views)", get_raw_s),
         ("get_many + ray.get + decode to tensors", get_decoded_s),
-        ("lookup + load_chain_sync (fetch, decode, verify)", load_s),
+        ("lookup + load_chain (fetch, decode, verify)", load_s),
         ("decode alone (codec)", decode_s),
     ):
         print(f"{name:<52}{med(times):>10.3f}{mb_per_s(nbytes, med(times)):>10.0f}")

@@ -3,7 +3,7 @@
 Writes go through a queue to one background thread, which skips blocks the catalog already has,
 encodes the rest and hands them to the node's `KVTierStore` in one `put_many` per run: the engine
 thread only copies pages and enqueues. Reads (`fetch`) ask the catalog for the longest stored
-continuation of a prompt's hash chain and load it through `loader.load_chain_sync`, which verifies
+continuation of a prompt's hash chain and load it through `loader.load_chain`, which verifies
 every block (hash, parent, token ids, tenant) before the engine sees it.
 
 The tier never fails a request: with the database unreachable the catalog disables itself with one
@@ -29,7 +29,7 @@ from rayapp.engine.kv_events import CLUSTER_TIER, BlockHash, BlockStored
 from rayapp.kvtier.catalog import Catalog
 from rayapp.kvtier.codec import KVBlock, encode_block
 from rayapp.kvtier.embedded import start_embedded_database
-from rayapp.kvtier.loader import load_chain_sync
+from rayapp.kvtier.loader import load_chain
 from rayapp.kvtier.records import ChainMatch
 from rayapp.kvtier.store import get_or_create_store
 
@@ -92,7 +92,7 @@ class KVTierClient:
         tail = ChainMatch(num_new, match.locations[start_block:])
         parent = block_hashes[start_block - 1] if start_block else None
         tokens = token_ids[start_block * self.block_size : match.num_present * self.block_size]
-        blocks = load_chain_sync(tail, tokens, self.block_size, (self.model_id, cache_salt), parent)
+        blocks = load_chain(tail, tokens, self.block_size, (self.model_id, cache_salt), parent)
         with self._lock:
             self.counters["loaded_blocks"] += len(blocks)
         return blocks

@@ -9,7 +9,6 @@ unreadable or different ends the chain: the blocks before it are returned, never
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -96,7 +95,7 @@ def _ask_stores(match: ChainMatch, layer_group: int) -> list[ray.ObjectRef]:
 _LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
 
 
-async def load_chain(
+def load_chain(
     match: ChainMatch,
     token_ids: Sequence[int],
     block_size: int,
@@ -108,32 +107,9 @@ async def load_chain(
 
     `token_ids` are the tokens from the first located block on (`block_size` per block), `parent`
     the hash of the block before it (None at the start of a prompt). All stores are asked at
-    once, one `get_many` per run of consecutive blocks in the same store. For async callers
-    (replicas); `load_chain_sync` is the same for synchronous ones.
+    once, one `get_many` per run of consecutive blocks in the same store. Blocks on Ray: replicas
+    call it from a worker thread (`asyncio.to_thread`), never inside an event loop.
     """
-    datas: list[object | None] = []
-    for call in _ask_stores(match, layer_group):
-        try:
-            refs = await call
-            present = [r for r in refs if r is not None]
-            fetched = iter(await asyncio.gather(*present))
-        except _LOST:
-            break
-        datas.extend(next(fetched) if r is not None else None for r in refs)
-        if len(present) < len(refs):
-            break
-    return _verified_prefix(datas, match, token_ids, block_size, extra_keys, parent, layer_group)
-
-
-def load_chain_sync(
-    match: ChainMatch,
-    token_ids: Sequence[int],
-    block_size: int,
-    extra_keys: tuple[str, str],
-    parent: BlockHash | None = None,
-    layer_group: int = 0,
-) -> list[KVBlock]:
-    """`load_chain` for synchronous callers (the offline `LLM`); never call it inside an event loop."""
     datas: list[object | None] = []
     for call in _ask_stores(match, layer_group):
         try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -17,7 +16,7 @@ from rayapp.engine.kv_events import BlockHash, hash_blocks
 from rayapp.kvtier.catalog import Catalog, ChainMatch, TierUsage
 from rayapp.kvtier.codec import KVBlock, decode_block, encode_block
 from rayapp.kvtier.embedded import EmbeddedPostgres, _free_port, start_embedded_database, stop_embedded_database
-from rayapp.kvtier.loader import load_chain, load_chain_sync
+from rayapp.kvtier.loader import load_chain
 from rayapp.kvtier.store import KVTierStore, get_or_create_store, store_name
 
 DIM = 192  # the session catalog's representation size (tests/kvtier/conftest.py)
@@ -92,24 +91,23 @@ def test_a_chain_loads_verified_from_the_stores(cluster, catalog, dsn):
     blocks = encoded_chain(4, "load")
     assert ray.get(store.put_many.remote(blocks)) == [True] * 4
     match = catalog.longest_chain(hashes)
-    loaded = load_chain_sync(match, tokens, 16, ("m", "load"))
+    loaded = load_chain(match, tokens, 16, ("m", "load"))
     assert [b.block_hash for b in loaded] == hashes
     assert all(torch.equal(a.value.view(torch.int16), decode_block(b).value.view(torch.int16))
                for a, b in zip(loaded, blocks))  # fmt: skip
-    assert [b.block_hash for b in asyncio.run(load_chain(match, tokens, 16, ("m", "load")))] == hashes
 
     # A continuation after a local prefix hit: blocks 2.. with block 1 as their parent.
     rest = catalog.longest_chain(hashes[2:])
-    assert len(load_chain_sync(rest, tokens[32:], 16, ("m", "load"), parent=hashes[1])) == 2
+    assert len(load_chain(rest, tokens[32:], 16, ("m", "load"), parent=hashes[1])) == 2
     # Another tenant's hashes never verify, even if handed these locations.
-    assert load_chain_sync(match, tokens, 16, ("m", "other-tenant")) == []
+    assert load_chain(match, tokens, 16, ("m", "other-tenant")) == []
     # Tokens that differ from the stored ones (a hash collision, in effect) end the chain there.
-    assert len(load_chain_sync(match, tokens[:40] + [7] * 24, 16, ("m", "load"))) == 2
+    assert len(load_chain(match, tokens[:40] + [7] * 24, 16, ("m", "load"))) == 2
     # A block evicted after the lookup, or a store that is gone, ends the chain before it.
     assert ray.get(store.delete.remote(hashes[3]))
-    assert len(load_chain_sync(match, tokens, 16, ("m", "load"))) == 3
+    assert len(load_chain(match, tokens, 16, ("m", "load"))) == 3
     gone = ChainMatch(1, (dataclasses.replace(match.locations[0], store_name="rayapp-kvtier-store-gone"),))
-    assert load_chain_sync(gone, tokens, 16, ("m", "load")) == []
+    assert load_chain(gone, tokens, 16, ("m", "load")) == []
     ray.get(store.clear.remote())
 
 
