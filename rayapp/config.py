@@ -184,8 +184,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
-    # A lambda: KVTierConfig is defined at the end of this module.
+    # Lambdas: KVTierConfig and LayerwiseConfig are defined at the end of this module.
     kvtier: KVTierConfig = field(default_factory=lambda: KVTierConfig())
+    layerwise: LayerwiseConfig = field(default_factory=lambda: LayerwiseConfig())
 
     def __post_init__(self) -> None:
         bs, rb = self.cache.block_size, self.sparse.retrieval_block_size
@@ -193,27 +194,33 @@ class EngineConfig:
             raise ValueError(
                 f"invalid sparse settings: retrieval_block_size={rb} must be a multiple of block_size={bs}"
             )
+        if self.sparse.enabled and self.layerwise.enabled:
+            # Sparse retrieval scores, selects and offloads whole pages of one token-ordered page table per
+            # sequence; a compressed layer keeps other tokens per head in pages of its own.
+            raise ValueError(
+                "sparse retrieval and layer-wise compression cannot be on together: sparse retrieval reads the "
+                "shared page table that compressed layers give up; turn off sparse.enabled or layerwise.enabled"
+            )
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
         """Build from flat keyword options (`LLM(model=..., block_size=..., max_num_seqs=...)`).
 
         Each option names a field of one section; an unknown name is an error that lists the
-        accepted ones. Two options are nested: `sparse`, a dict of `SparseConfig` fields (or a
+        accepted ones. Three options are nested: `sparse`, a dict of `SparseConfig` fields (or a
         `SparseConfig`) laid over the `VLLM_RETRIEVAL_*` environment; `kvtier`, a dict of
-        `KVTierConfig` fields (or a `KVTierConfig`).
+        `KVTierConfig` fields (or a `KVTierConfig`); `layerwise`, likewise of `LayerwiseConfig`.
         """
         sparse = options.pop("sparse", None)
-        kvtier = options.pop("kvtier", None)
-        if isinstance(kvtier, dict):
-            kvtier = KVTierConfig(**kvtier)
-        elif kvtier is not None and not isinstance(kvtier, KVTierConfig):
-            raise ValueError(f"kvtier must be a dict of KVTierConfig fields or a KVTierConfig, got {type(kvtier)}")
+        kvtier = _section(options.pop("kvtier", None), KVTierConfig, "kvtier")
+        layerwise = _section(options.pop("layerwise", None), LayerwiseConfig, "layerwise")
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
         owner = {f.name: name for name, c in sections.items() for f in dataclasses.fields(c)}
         unknown = sorted(set(options) - set(owner))
         if unknown:
-            raise ValueError(f"unknown engine option(s) {unknown}; accepted: {sorted(owner)}, sparse and kvtier")
+            raise ValueError(
+                f"unknown engine option(s) {unknown}; accepted: {sorted(owner)}, sparse, kvtier and layerwise"
+            )
         grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
         for key, value in options.items():
             grouped[owner[key]][key] = value
@@ -225,7 +232,22 @@ class EngineConfig:
                 raise ValueError(f"unknown sparse option(s) {unknown}; accepted: {accepted}")
             sparse = SparseConfig.from_env(**sparse)
         built = {name: sections[name](**kw) for name, kw in grouped.items()}
-        return cls(**built, sparse=sparse, kvtier=kvtier or KVTierConfig())
+        return cls(**built, sparse=sparse, kvtier=kvtier, layerwise=layerwise)
+
+
+def _section(value: Any, kind: type, name: str) -> Any:
+    """A nested option given as a dict of `kind`'s fields or as a `kind`; None: the defaults."""
+    if value is None:
+        return kind()
+    if isinstance(value, dict):
+        accepted = {f.name for f in dataclasses.fields(kind)}
+        unknown = sorted(set(value) - accepted)
+        if unknown:
+            raise ValueError(f"unknown {name} option(s) {unknown}; accepted: {sorted(accepted)}")
+        return kind(**value)
+    if not isinstance(value, kind):
+        raise ValueError(f"{name} must be a dict of {kind.__name__} fields or a {kind.__name__}, got {type(value)}")
+    return value
 
 
 class SparseSettings(BaseModel):
@@ -368,6 +390,10 @@ class AppConfig(BaseModel):
     kvtier: KVTierSettings = Field(
         default_factory=KVTierSettings, description="Cluster KV tier shared by the replicas (off by default)"
     )
+    layerwise: LayerwiseSettings = Field(
+        default_factory=lambda: LayerwiseSettings(),
+        description="Layer-wise KV compression (PyramidKV / SnapKV) after prefill (off by default)",
+    )
 
     @model_validator(mode="after")
     def _engine_settings_are_valid(self) -> AppConfig:
@@ -379,7 +405,12 @@ class AppConfig(BaseModel):
         sections = (ModelConfig, CacheConfig, SchedulerConfig)
         fields = {f.name for section in sections for f in dataclasses.fields(section)}
         options = {k: v for k, v in self.model_dump().items() if k in fields}
-        return EngineConfig.from_options(**options, sparse=self.sparse.sparse_config(), kvtier=self.kvtier.to_config())
+        return EngineConfig.from_options(
+            **options,
+            sparse=self.sparse.sparse_config(),
+            kvtier=self.kvtier.to_config(),
+            layerwise=LayerwiseConfig(**self.layerwise.model_dump()),
+        )
 
     def ray_actor_options(self) -> dict[str, Any]:
         """Resources of one replica: its CPUs and, on an accelerator, one device."""
@@ -424,3 +455,57 @@ class KVTierConfig:
             raise ValueError("kvtier.data_dir is for the embedded database; unset it when kvtier.dsn is set")
         if self.min_load_tokens < 1:
             raise ValueError(f"kvtier.min_load_tokens={self.min_load_tokens} must be >= 1")
+
+
+@dataclass(frozen=True)
+class LayerwiseConfig:
+    """Layer-wise KV compression (PyramidKV / SnapKV): after a prompt's prefill, the first `full_layers`
+    layers keep every token and each other layer keeps only its budget of the highest-scoring ones
+    (scores: the attention of the prompt's last `window` queries, max-pooled over `kernel_size` keys),
+    in pages of its own; the pages this frees go back to the pool. Decoded tokens join every layer.
+    """
+
+    enabled: bool = False
+    # How many times smaller the compressed layers' cache is on average (4: a quarter); 0 or 1 keeps
+    # every token (the compaction still runs: the output equals dense).
+    compression_ratio: float = 4.0
+    # "pyramid" (PyramidKV): budgets decrease with depth; "uniform" (SnapKV): the same in every layer.
+    schedule: Literal["pyramid", "uniform"] = "pyramid"
+    full_layers: int = 3
+    window: int = 32
+    kernel_size: int = 5
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.compression_ratio < 0 or 0 < self.compression_ratio < 1:
+            errors.append(
+                f"compression_ratio={self.compression_ratio} must be 0 or 1 (keep every token) or above 1 "
+                "(how many times smaller compressed layers are: 4 keeps a quarter)"
+            )
+        if self.schedule not in ("pyramid", "uniform"):
+            errors.append(f"schedule={self.schedule!r} must be 'pyramid' (PyramidKV) or 'uniform' (SnapKV)")
+        if self.full_layers < 0:
+            errors.append(f"full_layers={self.full_layers} must be >= 0")
+        if self.window < 1:
+            errors.append(f"window={self.window} must be >= 1 (the observation window of prompt queries)")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            errors.append(f"kernel_size={self.kernel_size} must be odd and >= 1 (1: no pooling)")
+        if errors:
+            raise ValueError("invalid layerwise settings: " + "; ".join(errors))
+
+
+class LayerwiseSettings(BaseModel):
+    """`layerwise:` of the app config; the same fields as `LayerwiseConfig`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(False, description="Compress the KV cache of the upper layers after each prefill")
+    compression_ratio: float = Field(
+        4.0, ge=0, description="How many times smaller compressed layers are on average; 0 or 1 keeps every token"
+    )
+    schedule: Literal["pyramid", "uniform"] = Field(
+        "pyramid", description="pyramid (PyramidKV): budgets shrink with depth; uniform (SnapKV): equal budgets"
+    )
+    full_layers: int = Field(3, ge=0, description="First layers that keep every token (and stay prefix-cacheable)")
+    window: int = Field(32, ge=1, description="Last prompt tokens whose queries score the keys; always kept")
+    kernel_size: int = Field(5, ge=1, description="Max-pooling width over the key scores (odd; 1: none)")

@@ -12,10 +12,11 @@ Invariants (checked by `check_invariants`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
+from rayapp.engine.free_block_queue import FreeBlockQueue, Page
 from rayapp.engine.kv_events import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent, hash_blocks
 from rayapp.engine.kv_events import hash_block as hash_block  # re-exported: defined with the events
 from rayapp.engine.sequence import Sequence
@@ -58,74 +59,6 @@ class PageInfo(NamedTuple):
     token_ids: tuple[int, ...] | None
 
 
-@dataclass(eq=False, slots=True)
-class _Page:
-    """One page's bookkeeping; the free-list links live here so removal from the middle is O(1)."""
-
-    page_id: int
-    ref_count: int = 0
-    # The three below are set only while the page is the cache entry of a full block.
-    block_hash: BlockHash | None = None
-    parent_hash: BlockHash | None = None
-    token_ids: tuple[int, ...] | None = None
-    prev_free: _Page | None = field(default=None, repr=False)
-    next_free: _Page | None = field(default=None, repr=False)
-
-
-class FreeBlockQueue:
-    """Intrusive doubly linked LRU list of free pages: O(1) popleft, append and remove.
-
-    Sentinel head and tail nodes mean no operation has to special-case an end of the list.
-    """
-
-    def __init__(self, pages: list[_Page]) -> None:
-        self._head, self._tail = _Page(-1), _Page(-1)  # sentinels, never handed out
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
-        self._len = 0
-        for page in pages:
-            self.append(page)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[_Page]:
-        page = self._head.next_free
-        while page is not None and page is not self._tail:
-            yield page
-            page = page.next_free
-
-    def popleft(self) -> _Page:
-        """Remove and return the least recently freed page."""
-        page = self._head.next_free
-        if page is None or page is self._tail:
-            raise IndexError("popleft from an empty FreeBlockQueue")
-        self.remove(page)
-        return page
-
-    def append(self, page: _Page) -> None:
-        """Add `page` as the most recently freed page."""
-        if page.prev_free is not None or page.next_free is not None:
-            raise RuntimeError(f"page {page.page_id} is already in the free list")
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = page
-        page.prev_free = last
-        page.next_free = self._tail
-        self._tail.prev_free = page
-        self._len += 1
-
-    def remove(self, page: _Page) -> None:
-        """Take `page` out of the list, wherever it is."""
-        prev, nxt = page.prev_free, page.next_free
-        if prev is None or nxt is None:
-            raise RuntimeError(f"page {page.page_id} is not in the free list")
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        page.prev_free = page.next_free = None
-        self._len -= 1
-
-
 class BlockManager:
     """Hands out KV pages to sequences, shares full blocks between them, caches freed ones.
 
@@ -142,9 +75,9 @@ class BlockManager:
         self.block_size = block_size
         self.model_id = model_id
         self.enable_prefix_caching = enable_prefix_caching
-        self._pages = [_Page(i) for i in range(num_pages)]
+        self._pages = [Page(i) for i in range(num_pages)]
         self._free = FreeBlockQueue(self._pages)
-        self._cached: dict[BlockHash, _Page] = {}
+        self._cached: dict[BlockHash, Page] = {}
         # Free pages that still hold a hash, kept as a counter so `num_cached_pages` is O(1).
         self._num_cached_free = 0
         # seq_id -> leading blocks of its table that `cache_full_blocks` has already handled, so
@@ -195,7 +128,7 @@ class BlockManager:
         When another page already caches the same block (e.g. a recomputed last block), that
         entry is kept and this page stays uncached. Emits one `BlockStored` per chained run.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.compacted:
             return
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
@@ -303,7 +236,26 @@ class BlockManager:
                 if page.block_hash is not None:
                     self._num_cached_free += 1
         seq.block_table = []
+        seq.compacted = False
         self._num_handled_blocks.pop(seq.seq_id, None)
+
+    def take_pages(self, n: int) -> list[int] | None:
+        """`n` LRU free pages, referenced once and holding no block, for a compacted sequence (appended
+        to its `block_table`, so that `free` releases them); None (nothing taken) when fewer are free."""
+        return self._pop_free_pages(n) if n <= len(self._free) else None
+
+    def swap_table(self, seq: Sequence, n: int) -> list[int] | None:
+        """Release `seq`'s pages as `free` does (cached blocks stay revivable) and give it `n` fresh pages
+        instead, for its compacted KV (`seq.compacted`); None (nothing changed) when even the released
+        pages leave fewer than `n` free. A compacted table does not map token positions, so none of its
+        pages is ever cached. The fresh pages are taken LRU first: the released ones come last."""
+        released = sum(1 for pid in seq.block_table if pid != OFFLOADED and self._pages[pid].ref_count == 1)
+        if n > len(self._free) + released:
+            return None
+        self.free(seq)
+        seq.block_table = self._pop_free_pages(n)
+        seq.compacted = True
+        return seq.block_table
 
     def release_pages(self, seq: Sequence, block_indices: list[int]) -> None:
         """Drop `seq`'s reference to the pages of these blocks (their K/V now lives in the host pool).
@@ -376,7 +328,7 @@ class BlockManager:
             hashes.extend(hash_blocks(seq.token_ids[start:end], bs, keys, hashes[-1] if hashes else None))
         return hashes
 
-    def _holds_block(self, page: _Page, seq: Sequence, i: int) -> bool:
+    def _holds_block(self, page: Page, seq: Sequence, i: int) -> bool:
         bs = self.block_size
         parent = seq.block_hashes[i - 1] if i else None
         return page.parent_hash == parent and page.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -393,7 +345,7 @@ class BlockManager:
         if stale:
             raise RuntimeError(f"stale PrefixMatch for {seq.seq_id}: call match_prefix right before allocate")
 
-    def _take_ref(self, page: _Page) -> None:
+    def _take_ref(self, page: Page) -> None:
         if page.ref_count == 0:  # revive: a free (possibly cached) page goes back in use
             self._free.remove(page)
             if page.block_hash is not None:

@@ -7,11 +7,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from rayapp.config import EngineConfig, SparseConfig
+from rayapp.config import EngineConfig, LayerwiseConfig, SparseConfig
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.detokenizer import IncrementalDetokenizer
 from rayapp.engine.kv_events import AllCleared, BlockHash, KVEvent
 from rayapp.engine.kv_transfer import KVTransfer, TierBlock, TierPlan, TierPort
+from rayapp.engine.layerwise_kv import LayerwiseKV
 from rayapp.engine.model_runner import ModelRunner
 from rayapp.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from rayapp.engine.sampler import make_generator
@@ -64,6 +65,8 @@ class LLMEngine:
         self.sparse: SparseKV | None = None
         if config.sparse.enabled:
             self.sparse = self.runner.sparse = SparseKV(config, self.runner, self.block_manager, self.max_model_len)
+        self.layerwise: LayerwiseKV | None = None
+        self._use_layerwise(config.layerwise)
         self.eos_token_ids = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -86,6 +89,23 @@ class LLMEngine:
         self.sparse = self.runner.sparse = (
             SparseKV(config, self.runner, self.block_manager, self.max_model_len) if sparse.enabled else None
         )
+
+    def use_layerwise_config(self, layerwise: LayerwiseConfig) -> None:
+        """Switch the layer-wise compression settings between requests (the engine must be idle).
+
+        For evaluation: prompts prefilled once stay in the prefix cache, in every layer, so each
+        setting after the first recomputes only the observation window.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("use_layerwise_config needs an idle engine: finish or abort the running requests first")
+        self.config = dataclasses.replace(self.config, layerwise=layerwise)
+        self._use_layerwise(layerwise)
+
+    def _use_layerwise(self, layerwise: LayerwiseConfig) -> None:
+        self.layerwise = self.runner.layerwise = (
+            LayerwiseKV(self.config, self.runner, self.block_manager) if layerwise.enabled else None
+        )
+        self.scheduler.reserve_compacted = None if self.layerwise is None else self.layerwise.reserve
 
     @classmethod
     def from_options(cls, **options: Any) -> LLMEngine:
@@ -163,6 +183,8 @@ class LLMEngine:
         seq.generator = make_generator(params, self.runner.device)
         if self.sparse is not None and self.sparse.policy.mode(len(ids)) is not AttentionMode.DENSE:
             seq.min_recompute_tokens = min(len(ids), self.config.sparse.scoring_queries)
+        if self.layerwise is not None:  # the observation window's queries score the prompt
+            seq.min_recompute_tokens = min(len(ids), self.config.layerwise.window)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         return Request(seq, prompt, ids, detok, max_new)
 
@@ -172,8 +194,7 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req.seq, "abort")
-        if self.sparse is not None:
-            self.sparse.drop(req.seq)
+        self._forget(req.seq)
         return self._output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
@@ -183,9 +204,9 @@ class LLMEngine:
         """Run one scheduling step; return an output for every request that made progress."""
         batch = self.scheduler.schedule()
         self._num_preemptions += len(batch.preempted)
+        for seq in batch.preempted:  # recomputed from scratch when readmitted
+            self._forget(seq)
         if self.sparse is not None:
-            for seq in batch.preempted:  # recomputed from scratch when readmitted
-                self.sparse.drop(seq)
             self.sparse.begin_step()
         if not batch.seqs:
             return []
@@ -197,6 +218,8 @@ class LLMEngine:
             # Before tokens are appended: a sequence that finishes now frees its pages below.
             self.sparse.after_step(batch.seqs)
             self.sparse.end_step()
+        if self.layerwise is not None:
+            self.layerwise.after_step(batch.seqs)
         outputs = []
         for seq, token in zip(batch.seqs, tokens):
             req = self._requests[seq.seq_id]
@@ -227,10 +250,16 @@ class LLMEngine:
         if reason is not None:
             delta += req.detokenizer.flush()
             self.scheduler.finish(seq, reason)
-            if self.sparse is not None:
-                self.sparse.drop(seq)
+            self._forget(seq)
             del self._requests[seq.seq_id]
         return self._output(req, [token], delta, stop_reason)
+
+    def _forget(self, seq: Sequence) -> None:
+        """Drop `seq`'s sparse and layer-wise state (its pages were released by the scheduler)."""
+        if self.sparse is not None:
+            self.sparse.drop(seq)
+        if self.layerwise is not None:
+            self.layerwise.drop(seq)
 
     def _output(
         self, req: Request, delta_ids: list[int], delta_text: str, stop_reason: str | int | None = None
@@ -273,8 +302,10 @@ class LLMEngine:
         attention on, its `sparse_*` counters)."""
         bm = self.block_manager
         sparse = self.sparse.stats() if self.sparse is not None else {}
+        layerwise = self.layerwise.stats() if self.layerwise is not None else {}
         return {
             **sparse,
+            **layerwise,
             **self._counters,
             "num_preemptions": self._num_preemptions,
             "num_running": len(self.scheduler.running),

@@ -20,6 +20,7 @@ from rayapp.models.llama import load_model
 from rayapp.models.loader import ModelSpec, load_state_dict
 
 if TYPE_CHECKING:
+    from rayapp.engine.layerwise_kv import LayerwiseKV, LayerwisePlan
     from rayapp.engine.sparse_kv import DecodePlan, QueryCapture, SparseKV
 
 logger = logging.getLogger(__name__)
@@ -38,21 +39,33 @@ class AttentionMetadata:
     prefill_context_lens: Tensor  # [Bp]
     sparse_plan: DecodePlan | None = None  # set when some decode rows attend sparsely
     sparse_capture: QueryCapture | None = None  # prefill queries kept to score retrieval blocks
+    layerwise: LayerwisePlan | None = None  # set when rows are compacted or prefill rows score their prompt
 
 
 class PagedAttention:
     """The model's attention callable for one step: store K/V into the pages, then attend."""
 
     def __init__(
-        self, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float, sparse: SparseKV | None = None
+        self,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sparse: SparseKV | None = None,
+        layerwise: LayerwiseKV | None = None,
     ) -> None:
-        self.k_cache, self.v_cache, self.meta, self.scale, self.sparse = k_cache, v_cache, meta, scale, sparse
+        self.k_cache, self.v_cache, self.meta, self.scale = k_cache, v_cache, meta, scale
+        self.sparse, self.layerwise = sparse, layerwise
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        m = self.meta
+        m, lw = self.meta, self.meta.layerwise
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        store_kv(k, v, kc, vc, m.slot_mapping)
+        if lw is not None and lw.slots is not None:
+            assert self.layerwise is not None
+            self.layerwise.store(layer, k, v, lw)  # compacted rows write to their own slots
+        else:
+            store_kv(k, v, kc, vc, m.slot_mapping)
         nd = m.num_decode_tokens
         if m.sparse_capture is not None:
             assert self.sparse is not None
@@ -62,12 +75,23 @@ class PagedAttention:
         prefill = paged_prefill_attention(
             q[nd:], kc, vc, m.prefill_page_table, m.prefill_query_start_loc, m.prefill_context_lens, self.scale
         )
+        if lw is not None and lw.capture is not None and self.layerwise is not None and layer >= self.layerwise.Lf:
+            self.layerwise.capture(layer, q[nd:], kc, vc, prefill, lw.capture, self.scale)
         if nd == 0:
             return prefill
         return torch.cat([self._decode(layer, q[:nd], kc, vc), prefill])
 
     def _decode(self, layer: int, q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
-        m, plan = self.meta, self.meta.sparse_plan
+        m, plan, lw = self.meta, self.meta.sparse_plan, self.meta.layerwise
+        if lw is not None and lw.compact_idx is not None:
+            assert self.layerwise is not None and lw.dense_idx is not None
+            out = torch.empty_like(q)
+            if lw.dense_idx.numel():
+                out[lw.dense_idx] = paged_decode_attention(
+                    q[lw.dense_idx], kc, vc, lw.dense_table, lw.dense_ctx, self.scale
+                )
+            out[lw.compact_idx] = self.layerwise.attend(layer, q[lw.compact_idx], lw, self.scale)
+            return out
         if plan is None:
             return paged_decode_attention(q, kc, vc, m.decode_page_table, m.decode_context_lens, self.scale)
         assert self.sparse is not None
@@ -100,6 +124,7 @@ class ModelRunner:
         self.num_cache_blocks = sparse.device_cache_blocks if sparse.enabled and sparse.offload_boundary < limit else 0
         cache_pages = self.num_cache_blocks * (sparse.retrieval_block_size // self.block_size)
         self.sparse: SparseKV | None = None  # set by the engine when sparse attention is enabled
+        self.layerwise: LayerwiseKV | None = None  # set by the engine when layer-wise compression is enabled
         shape = (spec.num_layers, self.num_pages + cache_pages, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -121,7 +146,7 @@ class ModelRunner:
         """Compute the batch's tokens; return the sampled token of each sequence that reached its end
         (None for a sequence whose prefill chunk stopped short of its last token)."""
         input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(batch)
-        attention = PagedAttention(self.k_cache, self.v_cache, meta, self.scale, self.sparse)
+        attention = PagedAttention(self.k_cache, self.v_cache, meta, self.scale, self.sparse, self.layerwise)
         hidden = self.model(input_ids, positions, attention)
         tokens: list[int | None] = [None] * len(batch.seqs)
         if not sample_rows:
@@ -150,7 +175,9 @@ class ModelRunner:
         offsets = self._tensor([a - e + n for a, e, n in zip(starts, ends, batch.num_new_tokens)])
         positions = torch.arange(ends[-1], device=self.device) + offsets[seq_of_token]
         tables = self._page_table(batch.seqs)
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        # A compacted sequence's table lists pages, not token positions: its column is clamped here and
+        # its slot in each layer comes from the layer-wise plan.
+        slots = tables[seq_of_token, (positions // bs).clamp(max=tables.shape[1] - 1)] * bs + positions % bs
         decode_width = max((len(s.block_table) for s in batch.seqs[:nd]), default=0)
         prefill_lens = [a + n for a, n in zip(starts[nd:], batch.num_new_tokens[nd:])]
         meta = AttentionMetadata(
@@ -168,6 +195,8 @@ class ModelRunner:
             meta.sparse_plan = self.sparse.plan(batch.seqs[:nd], tables[:nd])
         if self.sparse is not None and nd < len(batch.seqs):
             meta.sparse_capture = self.sparse.plan_capture(batch.seqs[nd:], starts[nd:], batch.num_new_tokens[nd:])
+        if self.layerwise is not None:
+            meta.layerwise = self.layerwise.plan(batch.seqs, nd, starts, batch.num_new_tokens, tables, slots)
         return self._tensor(ids), positions, meta, sample_rows, sample_seqs
 
     def _tensor(self, values: list[int]) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rayapp.config import SchedulerConfig
@@ -38,9 +39,16 @@ class Scheduler:
     the prefix cache, so recomputing is mostly cache hits) and it goes back to the waiting front.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        reserve_compacted: Callable[[Sequence, int], bool] | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        # Grows a compacted sequence (layer-wise compression), whose pages are not a token-ordered table.
+        self.reserve_compacted = reserve_compacted
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -62,7 +70,7 @@ class Scheduler:
             if budget == 0:
                 break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate(seq, n):
+            while not self._allocate(seq, n):
                 victim = next(s for s in reversed(self.running) if s.status is SequenceStatus.RUNNING)
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -81,6 +89,13 @@ class Scheduler:
                 batch.num_new_tokens.append(chosen[seq.seq_id])
         batch.num_decodes = sum(1 for n in batch.num_new_tokens if n == 1)
         return batch
+
+    def _allocate(self, seq: Sequence, n: int) -> bool:
+        if not seq.compacted:
+            return self.block_manager.allocate(seq, n)
+        if self.reserve_compacted is None:
+            raise RuntimeError(f"sequence {seq.seq_id} is compacted but the scheduler has no reserve_compacted")
+        return self.reserve_compacted(seq, n)
 
     def _admit(self, budget: int, chosen: dict[str, int]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

@@ -59,6 +59,9 @@ class Sequence:
         # Prompt tokens a prefix-cache hit must leave to compute (sparse retrieval scores blocks with
         # the queries of the prompt's last tokens, so they are recomputed, never served from cache).
         self.min_recompute_tokens = 1
+        # Set while layer-wise compression holds this sequence's KV in per-layer tables
+        # (`LayerwiseKV`): `block_table` then lists the pages those tables carve up, not token pages.
+        self.compacted = False
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,76 @@
+"""The BlockManager's free list: an intrusive doubly linked LRU list of pages, O(1) anywhere."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from rayapp.engine.kv_events import BlockHash
+
+
+@dataclass(eq=False, slots=True)
+class Page:
+    """One page's bookkeeping; the free-list links live here so removal from the middle is O(1)."""
+
+    page_id: int
+    ref_count: int = 0
+    # The three below are set only while the page is the cache entry of a full block.
+    block_hash: BlockHash | None = None
+    parent_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None
+    prev_free: Page | None = field(default=None, repr=False)
+    next_free: Page | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked LRU list of free pages: O(1) popleft, append and remove.
+
+    Sentinel head and tail nodes mean no operation has to special-case an end of the list.
+    """
+
+    def __init__(self, pages: list[Page]) -> None:
+        self._head, self._tail = Page(-1), Page(-1)  # sentinels, never handed out
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for page in pages:
+            self.append(page)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Page]:
+        page = self._head.next_free
+        while page is not None and page is not self._tail:
+            yield page
+            page = page.next_free
+
+    def popleft(self) -> Page:
+        """Remove and return the least recently freed page."""
+        page = self._head.next_free
+        if page is None or page is self._tail:
+            raise IndexError("popleft from an empty FreeBlockQueue")
+        self.remove(page)
+        return page
+
+    def append(self, page: Page) -> None:
+        """Add `page` as the most recently freed page."""
+        if page.prev_free is not None or page.next_free is not None:
+            raise RuntimeError(f"page {page.page_id} is already in the free list")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = page
+        page.prev_free = last
+        page.next_free = self._tail
+        self._tail.prev_free = page
+        self._len += 1
+
+    def remove(self, page: Page) -> None:
+        """Take `page` out of the list, wherever it is."""
+        prev, nxt = page.prev_free, page.next_free
+        if prev is None or nxt is None:
+            raise RuntimeError(f"page {page.page_id} is not in the free list")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        page.prev_free = page.next_free = None
+        self._len -= 1
