@@ -477,10 +477,13 @@ class LayerwiseConfig:
 
     def __post_init__(self) -> None:
         errors = []
-        if self.compression_ratio < 0 or 0 < self.compression_ratio < 1:
+        if self.compression_ratio < 0:
+            errors.append(f"compression_ratio={self.compression_ratio} must be 0 (keep every token) or >= 1")
+        elif 0 < self.compression_ratio < 1:
+            # A fraction kept, not a ratio: guessing would keep everything or too little.
             errors.append(
-                f"compression_ratio={self.compression_ratio} must be 0 or 1 (keep every token) or above 1 "
-                "(how many times smaller compressed layers are: 4 keeps a quarter)"
+                f"compression_ratio={self.compression_ratio} is how many times smaller compressed layers are; "
+                f"to keep that fraction of their tokens pass {1 / self.compression_ratio:.3g}"
             )
         if self.schedule not in ("pyramid", "uniform"):
             errors.append(f"schedule={self.schedule!r} must be 'pyramid' (PyramidKV) or 'uniform' (SnapKV)")
