@@ -10,10 +10,15 @@ even if the store evicts the block meanwhile, so a reader never loses a block it
 
 When the catalog database is unreachable the store refuses new blocks (`put` returns False, once
 warned about by the catalog) and still serves the blocks it holds.
+
+A node that dies takes its blocks with it: every store deletes the rows of dead nodes when it starts
+and then every `PRUNE_PERIOD_S`, on a thread of its own.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +33,13 @@ from rayapp.kvtier.catalog import BlockRow, Catalog
 from rayapp.kvtier.codec import decode_header
 from rayapp.kvtier.embedded import NAMESPACE
 
+logger = logging.getLogger("rayapp.kvtier")
+
 STORE_NAME_PREFIX = "rayapp-kvtier-store-"
+# How often each store deletes the rows of dead nodes. Until they go, replicas find those rows, ask a
+# store that is gone (a miss: they recompute) and the router counts the blocks as loadable. Ray takes
+# seconds to declare a node dead, so a much shorter period buys little; a prune is one DELETE per store.
+PRUNE_PERIOD_S = 10.0
 
 Representation = Sequence[float] | np.ndarray | None
 
@@ -74,7 +85,7 @@ class KVTierStore:
 
     Meant to run as the named actor `get_or_create_store` makes; its methods are its actor API.
     A fresh store deletes the rows its node left behind (a restarted store holds nothing) and
-    those of nodes no longer alive.
+    those of nodes no longer alive, which it then does again every `prune_period_s`.
     """
 
     def __init__(
@@ -83,9 +94,12 @@ class KVTierStore:
         representation_dim: int,
         capacity_bytes: int,
         catalog_options: dict[str, Any] | None = None,
+        prune_period_s: float = PRUNE_PERIOD_S,
     ) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes={capacity_bytes} must be >= 1")
+        if prune_period_s <= 0:
+            raise ValueError(f"prune_period_s={prune_period_s} must be > 0")
         self.node_id = ray.get_runtime_context().get_node_id()
         self.name = store_name(self.node_id)
         self.capacity_bytes = capacity_bytes
@@ -96,6 +110,11 @@ class KVTierStore:
         self._puts = self._rejected = self._hits = self._misses = self._evictions = 0
         self._catalog.remove_node(self.node_id)
         self.prune_dead_nodes()
+        self._closed = threading.Event()
+        self._pruner = threading.Thread(
+            target=self._prune_loop, args=(prune_period_s,), name="rayapp-kvtier-pruner", daemon=True
+        )
+        self._pruner.start()
 
     def put(self, data: bytes | np.ndarray, representation: Representation = None) -> bool:
         """Store one encoded block; True once it is held and catalogued. See `put_many`."""
@@ -211,13 +230,27 @@ class KVTierStore:
         self._catalog.remove_node(self.node_id)
         return count
 
+    def close(self) -> None:
+        """Stop the pruning thread and close the catalog's connections. An actor's end does both; an
+        in-process store (tests) calls this."""
+        self._closed.set()
+        self._pruner.join()
+        self._catalog.close()
+
     def held(self, layer_group: int = 0) -> list[BlockHash]:
         """Hashes of the held blocks of a layer group, least recently used first."""
         return [BlockHash(h) for h, group in self._blocks if group == layer_group]
 
     def prune_dead_nodes(self) -> int:
         """Delete the catalog rows of nodes that are no longer alive; returns how many went."""
-        return self._catalog.remove_nodes_except(alive_node_ids())
+        return len(self._catalog.remove_nodes_except(alive_node_ids()))
+
+    def _prune_loop(self, period_s: float) -> None:
+        while not self._closed.wait(period_s):
+            try:
+                self.prune_dead_nodes()
+            except Exception:  # the GCS briefly unreachable, say: the next period tries again
+                logger.exception("cluster KV tier: pruning the rows of dead nodes failed")
 
     def stats(self) -> StoreStats:
         """Counters and occupancy of this store."""

@@ -114,7 +114,9 @@ def test_a_chain_loads_verified_from_the_stores(cluster, catalog, dsn):
 @pytest.fixture
 def store(cluster, catalog, dsn) -> KVTierStore:
     """An in-process store (same code as the actor) of 3 blocks' capacity."""
-    return KVTierStore(dsn, DIM, 3 * BLOCK_BYTES + SLACK)
+    store = KVTierStore(dsn, DIM, 3 * BLOCK_BYTES + SLACK)
+    yield store
+    store.close()
 
 
 def test_eviction_keeps_capacity_and_catalog_in_step(store, catalog):
@@ -161,7 +163,7 @@ def test_delete_drops_bytes_and_row(store, catalog):
 
 def test_a_restarted_store_drops_the_rows_it_no_longer_backs(store, catalog, dsn):
     assert store.put_many(encoded_chain(2, "old")) == [True, True]
-    KVTierStore(dsn, DIM, BLOCK_BYTES)  # the same node's store, started afresh
+    KVTierStore(dsn, DIM, BLOCK_BYTES).close()  # the same node's store, started afresh
     assert catalog.usage() == TierUsage(0, 0)
 
 
@@ -210,6 +212,7 @@ def test_database_down_disables_the_tier_once_and_calls_keep_working(cluster, pr
     assert db.start() == dsn  # back on the same port: the store (retry delay 0) reconnects
     assert store.put(blocks[1])
     assert lookup.longest_chain(hashes) == ChainMatch()  # still inside its hour-long retry delay
+    store.close()
 
 
 @pytest.fixture
