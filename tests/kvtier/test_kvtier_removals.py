@@ -1,7 +1,8 @@
 """Blocks leave the cluster tier, and the prefix router hears of it.
 
 A node dies: its catalog rows vanish within a prune period, with no store restarting, and a replica
-asking for its blocks finds nothing and recomputes. A store evicts: the replica whose write caused it
+asking for its blocks finds nothing and recomputes; one that still finds a row meets a dead store,
+which is a miss too. A store evicts: the replica whose write caused it
 announces the evicted blocks, and the PrefixIndex stops crediting them. Real embedded PostgreSQL, real
 store actors, a real `KVTierClient`.
 """
@@ -17,10 +18,11 @@ import torch
 
 from rayapp.config import KVTierConfig
 from rayapp.engine.kv_events import CLUSTER_TIER, AllCleared, BlockRemoved, BlockStored, hash_blocks
-from rayapp.kvtier.catalog import BlockRow, ChainMatch, TierUsage
+from rayapp.kvtier.catalog import BlockLocation, BlockRow, ChainMatch, TierUsage
 from rayapp.kvtier.client import KVTierClient
 from rayapp.kvtier.codec import KVBlock, encode_block
-from rayapp.kvtier.store import KVTierStore, store_name
+from rayapp.kvtier.loader import load_chain
+from rayapp.kvtier.store import KVTierStore, get_or_create_store, store_name
 from rayapp.prefix_router.actor import PrefixIndexService
 from rayapp.prefix_router.policy import Holding
 
@@ -70,6 +72,19 @@ def test_rows_of_a_dead_node_vanish_within_a_prune_period(cluster, catalog, dsn)
     # The store that pruned them reports them with its next put, for the router's index.
     assert set(ray.get(store.put_many.remote([])).removed) == set(dead_hashes)
     ray.kill(store)
+
+
+def test_a_store_whose_node_died_is_a_miss_never_an_error(cluster, catalog, dsn, monkeypatch):
+    # The dead node's store as a replica may have looked it up just before: pinned to a node that is gone.
+    gone = get_or_create_store(dsn, DIM, 1 << 20, node_id=DEAD_NODE)
+    with pytest.raises(ray.exceptions.ActorUnschedulableError):
+        ray.get(gone.stats.remote())
+    dead = rows("dead", DEAD_NODE)
+    match = ChainMatch(3, tuple(BlockLocation(r.block_hash, 0, DEAD_NODE, r.store_name, 1000, 16) for r in dead))
+    tokens = list(range(48))
+    assert load_chain(match, tokens, 16, ("m", "dead")) == []  # looked up now: no such actor
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: gone)
+    assert load_chain(match, tokens, 16, ("m", "dead")) == []  # looked up before: its calls fail
 
 
 # The client's blocks: 2 layers, 16 tokens, 3 KV heads of 64 dims, bf16 (SmolLM2's heads, fewer layers).
