@@ -83,7 +83,7 @@ def main() -> None:
             encode_s.append(time.perf_counter() - t0)
             nbytes = sum(e.nbytes for e in encoded)
             t0 = time.perf_counter()
-            kept = ray.get(store.put_many.remote(encoded))
+            kept = ray.get(store.put_many.remote(encoded)).kept
             put_s.append(time.perf_counter() - t0)
             assert all(kept), "the store refused blocks; is its capacity too small?"
             hashes = [b.block_hash for b in blocks]

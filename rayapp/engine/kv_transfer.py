@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from rayapp.engine.block_manager import BlockManager
-from rayapp.engine.kv_events import BlockHash, BlockStored
+from rayapp.engine.kv_events import BlockHash, BlockRemoved, BlockStored
 from rayapp.engine.model_runner import ModelRunner
 from rayapp.engine.sequence import Sequence
 
@@ -54,8 +54,9 @@ class TierPort(Protocol):
         when the tier holds fewer than `min_load_tokens` tokens past `start_block`. Blocking."""
         ...
 
-    def take_events(self) -> list[BlockStored]:
-        """Blocks this engine wrote to the tier since the last call, as `BlockStored(..., tier="cluster")`."""
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
+        """The tier's changes since the last call, as `BlockStored` / `BlockRemoved` with `tier="cluster"`: blocks
+        this engine wrote, and blocks that left the tier (for the prefix router)."""
         ...
 
 
@@ -129,8 +130,8 @@ class KVTransfer:
             self.runner.v_cache.index_copy_(1, pages, value)
         return (start * bs, (start + len(page_ids)) * bs)
 
-    def take_events(self) -> list[BlockStored]:
-        """Blocks written to the tier since the last call (for the prefix router)."""
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
+        """Blocks written to or gone from the tier since the last call (for the prefix router)."""
         return self.tier.take_events()
 
     def _write_through(self, stored: BlockStored, cache_salt: str) -> None:

@@ -29,7 +29,16 @@ import numpy as np
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from rayapp.kvtier.records import BlockLocation, BlockRow, ChainMatch, ScoredBlock, TierUsage, from_db_hash, to_db_hash
+from rayapp.kvtier.records import (
+    BlockKey,
+    BlockLocation,
+    BlockRow,
+    ChainMatch,
+    ScoredBlock,
+    TierUsage,
+    from_db_hash,
+    to_db_hash,
+)
 
 logger = logging.getLogger("rayapp.kvtier")
 
@@ -65,6 +74,7 @@ def detect_dialect(version: str) -> Dialect:
 
 
 _LOCATION_COLUMNS = "block_hash, layer_group, node_id, store_name, nbytes, num_tokens"
+_RETURNING_KEYS = "RETURNING block_hash, layer_group"
 _UPSERT_COLUMNS = (
     "block_hash", "parent_hash", "model_id", "cache_salt", "layer_group",
     "node_id", "store_name", "nbytes", "num_tokens", "representation",
@@ -135,17 +145,21 @@ class CatalogSQL:
             "AND representation IS NOT NULL ORDER BY distance LIMIT %(k)s"
         )
 
+    # Deletes return the keys of the rows they removed: those blocks left the tier, and the prefix
+    # router must hear so (`KVTierStore` reports them). Both dialects support DELETE ... RETURNING.
     def delete_node(self) -> str:
-        return f"DELETE FROM {TABLE} WHERE node_id = %(node_id)s"
+        return f"DELETE FROM {TABLE} WHERE node_id = %(node_id)s {_RETURNING_KEYS}"
 
     def delete_nodes_except(self) -> str:
-        return f"DELETE FROM {TABLE} WHERE NOT (node_id = ANY(%(alive)s::text[]))"
+        return f"DELETE FROM {TABLE} WHERE NOT (node_id = ANY(%(alive)s::text[])) {_RETURNING_KEYS}"
 
     def delete_hashes(self, *, guarded: bool) -> str:
         sql = f"DELETE FROM {TABLE} WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[])"
         # A guarded delete removes only rows that still point at the caller's store: after another
         # store re-wrote the block, the row is that store's and must stay.
-        return sql + " AND node_id = %(node_id)s AND store_name = %(store_name)s" if guarded else sql
+        if guarded:
+            sql += " AND node_id = %(node_id)s AND store_name = %(store_name)s"
+        return f"{sql} {_RETURNING_KEYS}"
 
     def usage(self, *, per_node: bool) -> str:
         sql = f"SELECT count(*), COALESCE(SUM(nbytes), 0) FROM {TABLE}"
@@ -170,6 +184,10 @@ def _vector_text(values: Sequence[float] | np.ndarray, dim: int, what: str) -> s
 
 def _location(row: tuple[Any, ...]) -> BlockLocation:
     return BlockLocation(from_db_hash(row[0]), row[1], row[2], row[3], row[4], row[5])
+
+
+def _deleted_keys(cursor: psycopg.Cursor) -> list[BlockKey]:
+    return [BlockKey(from_db_hash(h), group) for h, group in cursor.fetchall()]
 
 
 def _describe(dsn: str) -> str:
@@ -385,9 +403,9 @@ class Catalog:
 
         return self._run(work, [])
 
-    def remove_node(self, node_id: str) -> int:
-        """Delete every row of a node (it died or left); returns how many went."""
-        return self._run(lambda conn, sql: conn.execute(sql.delete_node(), {"node_id": node_id}).rowcount, 0)
+    def remove_node(self, node_id: str) -> list[BlockKey]:
+        """Delete every row of a node (it died or left); returns the keys of the rows that went."""
+        return self._run(lambda conn, sql: _deleted_keys(conn.execute(sql.delete_node(), {"node_id": node_id})), [])
 
     def remove(
         self,
@@ -396,23 +414,25 @@ class Catalog:
         *,
         node_id: str | None = None,
         store_name: str | None = None,
-    ) -> int:
-        """Delete the rows of `hashes`; with `node_id` and `store_name`, only those still pointing there."""
+    ) -> list[BlockKey]:
+        """Delete the rows of `hashes`; with `node_id` and `store_name`, only those still pointing there.
+
+        Returns the keys of the rows that went."""
         if not hashes:
-            return 0
+            return []
         if (node_id is None) != (store_name is None):
             raise ValueError("pass node_id and store_name together, or neither")
         params: dict[str, Any] = {"layer_group": layer_group, "hashes": [to_db_hash(h) for h in hashes]}
         guarded = node_id is not None
         if guarded:
             params.update(node_id=node_id, store_name=store_name)
-        return self._run(lambda conn, sql: conn.execute(sql.delete_hashes(guarded=guarded), params).rowcount, 0)
+        return self._run(lambda conn, sql: _deleted_keys(conn.execute(sql.delete_hashes(guarded=guarded), params)), [])
 
-    def remove_nodes_except(self, alive_node_ids: Sequence[str]) -> int:
+    def remove_nodes_except(self, alive_node_ids: Sequence[str]) -> list[BlockKey]:
         """Delete the rows of every node not in `alive_node_ids`: their blocks died with their object
-        stores (a node that left, or a previous cluster on the same database). Returns how many went."""
+        stores (a node that left, or a previous cluster on the same database). Returns the keys that went."""
         params = {"alive": list(alive_node_ids)}
-        return self._run(lambda conn, sql: conn.execute(sql.delete_nodes_except(), params).rowcount, 0)
+        return self._run(lambda conn, sql: _deleted_keys(conn.execute(sql.delete_nodes_except(), params)), [])
 
     def usage(self, node_id: str | None = None) -> TierUsage:
         """Rows and their bytes, in the whole catalog or on one node."""

@@ -2,9 +2,11 @@
 
 Writes go through a queue to one background thread, which skips blocks the catalog already has,
 encodes the rest and hands them to the node's `KVTierStore` in one `put_many` per run: the engine
-thread only copies pages and enqueues. Reads (`fetch`) ask the catalog for the longest stored
-continuation of a prompt's hash chain and load it through `loader.load_chain`, which verifies
-every block (hash, parent, token ids, tenant) before the engine sees it.
+thread only copies pages and enqueues. What the tier gained and lost through those puts is kept as
+events for the prefix router (`take_events`): the blocks written, and the blocks the store reports
+gone (evicted for room, or rows of a dead node it pruned). Reads (`fetch`) ask the catalog for the
+longest stored continuation of a prompt's hash chain and load it through `loader.load_chain`, which
+verifies every block (hash, parent, token ids, tenant) before the engine sees it.
 
 The tier never fails a request: with the database unreachable the catalog disables itself with one
 warning, `fetch` returns nothing (the engine recomputes) and writes are dropped; a store or object
@@ -25,7 +27,7 @@ import ray
 import torch
 
 from rayapp.config import KVTierConfig
-from rayapp.engine.kv_events import CLUSTER_TIER, BlockHash, BlockStored
+from rayapp.engine.kv_events import CLUSTER_TIER, BlockHash, BlockRemoved, BlockStored
 from rayapp.kvtier.catalog import Catalog
 from rayapp.kvtier.codec import KVBlock, encode_block
 from rayapp.kvtier.embedded import start_embedded_database
@@ -62,7 +64,7 @@ class KVTierClient:
         self._queue: queue.Queue[tuple[BlockStored, str, torch.Tensor, torch.Tensor] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending_bytes = 0
-        self._events: list[BlockStored] = []
+        self._events: list[BlockStored | BlockRemoved] = []
         self._written: OrderedDict[BlockHash, None] = OrderedDict()
         self.counters = {"written_blocks": 0, "skipped_blocks": 0, "dropped_blocks": 0, "loaded_blocks": 0}
         self._thread = threading.Thread(target=self._write_loop, name="rayapp-kvtier-writer", daemon=True)
@@ -97,8 +99,9 @@ class KVTierClient:
             self.counters["loaded_blocks"] += len(blocks)
         return blocks
 
-    def take_events(self) -> list[BlockStored]:
-        """Runs of blocks written to the tier since the last call, `tier="cluster"`, for the prefix router."""
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
+        """What the tier gained and lost since the last call, in order, `tier="cluster"`, for the prefix router:
+        runs of blocks this client wrote, and blocks the node's store removed (whoever caused it)."""
         with self._lock:
             events, self._events = self._events, []
         return events
@@ -151,12 +154,16 @@ class KVTierClient:
                 key[:, i], value[:, i], cache_salt,
             )  # fmt: skip
             blocks.append(np.frombuffer(encode_block(block), np.uint8))
-        kept = ray.get(self.store.put_many.remote(blocks))
+        result = ray.get(self.store.put_many.remote(blocks))
+        kept = result.kept
         written = [h for h, ok in zip(hashes[first:], kept) if ok]
-        if not written:
-            return
         n = len(written) if all(kept[: len(written)]) else kept.index(False)
         with self._lock:
+            if result.removed:
+                # Ahead of this run's BlockStored: those blocks left the tier before this run was stored.
+                self._events.append(BlockRemoved(result.removed, CLUSTER_TIER))
+                for h in result.removed:  # gone from the tier: write it again when the engine caches it again
+                    self._written.pop(h, None)
             self.counters["written_blocks"] += len(written)
             for h in written:
                 self._written[h] = None

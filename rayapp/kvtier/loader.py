@@ -92,7 +92,15 @@ def _ask_stores(match: ChainMatch, layer_group: int) -> list[ray.ObjectRef]:
     return calls
 
 
-_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+# A store that is gone: dead or restarting (RayActorError), pinned to a node that died (unschedulable),
+# on a node that died mid-call, or the owner of the bytes gone (ObjectLostError). Each is a miss: the
+# blocks are recomputed, never an error for the request.
+_LOST = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.ActorUnschedulableError,
+    ray.exceptions.NodeDiedError,
+    ray.exceptions.ObjectLostError,
+)
 
 
 def load_chain(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -24,6 +25,13 @@ def to_db_hash(block_hash: int) -> int:
 def from_db_hash(value: int) -> BlockHash:
     """The inverse of `to_db_hash`."""
     return BlockHash(value + _U64 if value < 0 else value)
+
+
+class BlockKey(NamedTuple):
+    """One catalog row's key (and a store's key for the bytes): the block and its layer group."""
+
+    block_hash: BlockHash
+    layer_group: int
 
 
 @dataclass(frozen=True)

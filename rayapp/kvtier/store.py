@@ -10,10 +10,17 @@ even if the store evicts the block meanwhile, so a reader never loses a block it
 
 When the catalog database is unreachable the store refuses new blocks (`put` returns False, once
 warned about by the catalog) and still serves the blocks it holds.
+
+A node that dies takes its blocks with it: every store deletes the rows of dead nodes when it starts
+and then every `PRUNE_PERIOD_S`, on a thread of its own. Blocks whose rows a store removed (evicted,
+deleted, or of a dead node) leave the tier; `put_many` hands them to the writing replica, which
+announces them to the prefix router as `BlockRemoved(..., tier="cluster")`.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,8 +34,18 @@ from rayapp.engine.kv_events import BlockHash
 from rayapp.kvtier.catalog import BlockRow, Catalog
 from rayapp.kvtier.codec import decode_header
 from rayapp.kvtier.embedded import NAMESPACE
+from rayapp.kvtier.records import BlockKey
+
+logger = logging.getLogger("rayapp.kvtier")
 
 STORE_NAME_PREFIX = "rayapp-kvtier-store-"
+# How often each store deletes the rows of dead nodes. Until they go, replicas find those rows, ask a
+# store that is gone (a miss: they recompute) and the router counts the blocks as loadable. Ray takes
+# seconds to declare a node dead, so a much shorter period buys little; a prune is one DELETE per store.
+PRUNE_PERIOD_S = 10.0
+# Removed blocks kept for the next `put_many`, at most: past it the oldest go unreported (the prefix
+# index then keeps crediting them until its own LRU bound drops them).
+_MAX_PENDING_REMOVALS = 1 << 16
 
 Representation = Sequence[float] | np.ndarray | None
 
@@ -63,6 +80,16 @@ def _as_uint8(data: bytes | np.ndarray) -> np.ndarray:
     return data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
 
 
+@dataclass(frozen=True)
+class PutResult:
+    """What `put_many` did: per block, whether it is now held (`kept`); and the blocks that left the
+    tier through this store since its last `put_many` (`removed`: evicted, deleted, or rows of dead
+    nodes it pruned), as the engine's block hashes, for the writer to announce to the prefix router."""
+
+    kept: tuple[bool, ...]
+    removed: tuple[BlockHash, ...] = ()
+
+
 @dataclass(slots=True)
 class _Entry:
     ref: ray.ObjectRef
@@ -74,7 +101,7 @@ class KVTierStore:
 
     Meant to run as the named actor `get_or_create_store` makes; its methods are its actor API.
     A fresh store deletes the rows its node left behind (a restarted store holds nothing) and
-    those of nodes no longer alive.
+    those of nodes no longer alive, which it then does again every `prune_period_s`.
     """
 
     def __init__(
@@ -83,9 +110,12 @@ class KVTierStore:
         representation_dim: int,
         capacity_bytes: int,
         catalog_options: dict[str, Any] | None = None,
+        prune_period_s: float = PRUNE_PERIOD_S,
     ) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes={capacity_bytes} must be >= 1")
+        if prune_period_s <= 0:
+            raise ValueError(f"prune_period_s={prune_period_s} must be > 0")
         self.node_id = ray.get_runtime_context().get_node_id()
         self.name = store_name(self.node_id)
         self.capacity_bytes = capacity_bytes
@@ -94,25 +124,42 @@ class KVTierStore:
         self._blocks: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
         self._nbytes = 0
         self._puts = self._rejected = self._hits = self._misses = self._evictions = 0
-        self._catalog.remove_node(self.node_id)
+        # Keys whose rows this store removed, oldest first, until a `put_many` reports them. The
+        # pruning thread adds to it too, hence the lock.
+        self._removed: OrderedDict[BlockKey, None] = OrderedDict()
+        self._removed_lock = threading.Lock()
+        self._note_removed(self._catalog.remove_node(self.node_id))
         self.prune_dead_nodes()
+        self._closed = threading.Event()
+        self._pruner = threading.Thread(
+            target=self._prune_loop, args=(prune_period_s,), name="rayapp-kvtier-pruner", daemon=True
+        )
+        self._pruner.start()
 
     def put(self, data: bytes | np.ndarray, representation: Representation = None) -> bool:
-        """Store one encoded block; True once it is held and catalogued. See `put_many`."""
-        return self.put_many([data], [representation])[0]
+        """Store one encoded block; True once it is held and catalogued. See `put_many` (the blocks
+        removed meanwhile stay for the next `put_many` to report)."""
+        return self._put_chain([data], [representation])[0]
 
     def put_many(
         self, blocks: Sequence[bytes | np.ndarray], representations: Sequence[Representation] | None = None
-    ) -> list[bool]:
+    ) -> PutResult:
         """Store encoded blocks, evicting LRU blocks to make room, and upsert their rows in one batch.
 
         Pass numpy uint8 arrays rather than bytes to spare a copy on the way in. `blocks` is taken
         as a chain in token order: when they do not all fit, the earlier ones are kept (a block is
         useless without those before it), and the later ones count as less recently used. A block
         already held is not copied again: it becomes recently used and its row is refreshed.
-        Returns, per block, whether it is now held; all False (nothing kept) when the catalog is
-        unreachable. Malformed bytes raise `BlockFormatError`.
+        `kept` is all False (nothing kept) when the catalog is unreachable; `removed` names the
+        blocks that left the tier through this store since its last `put_many` (any caller's), those
+        this call evicted included. Malformed bytes raise `BlockFormatError`.
         """
+        kept = self._put_chain(blocks, representations)
+        return PutResult(tuple(kept), self._take_removed())
+
+    def _put_chain(
+        self, blocks: Sequence[bytes | np.ndarray], representations: Sequence[Representation] | None
+    ) -> list[bool]:
         if representations is None:
             representations = [None] * len(blocks)
         if len(representations) != len(blocks):
@@ -159,7 +206,10 @@ class KVTierStore:
         return kept
 
     def _evict(self, nbytes: int) -> None:
-        """Drop least recently used blocks until `nbytes` are freed, and their catalog rows."""
+        """Drop least recently used blocks until `nbytes` are freed, and their catalog rows.
+
+        Only the rows still naming this store count as removed: a block another store re-wrote
+        meanwhile stays in the tier there."""
         evicted: dict[int, list[int]] = {}
         while nbytes > 0 and self._blocks:
             (block_hash, layer_group), entry = self._blocks.popitem(last=False)
@@ -168,7 +218,7 @@ class KVTierStore:
             self._evictions += 1
             evicted.setdefault(layer_group, []).append(block_hash)
         for layer_group, hashes in evicted.items():
-            self._catalog.remove(hashes, layer_group, node_id=self.node_id, store_name=self.name)
+            self._note_removed(self._catalog.remove(hashes, layer_group, node_id=self.node_id, store_name=self.name))
 
     def get(self, block_hash: int, layer_group: int = 0) -> ray.ObjectRef | None:
         """The ObjectRef of a held block (a numpy uint8 array of its encoded bytes), or None."""
@@ -200,7 +250,7 @@ class KVTierStore:
         if entry is None:
             return False
         self._nbytes -= entry.nbytes
-        self._catalog.remove([block_hash], layer_group, node_id=self.node_id, store_name=self.name)
+        self._note_removed(self._catalog.remove([block_hash], layer_group, node_id=self.node_id, store_name=self.name))
         return True
 
     def clear(self) -> int:
@@ -208,8 +258,15 @@ class KVTierStore:
         count = len(self._blocks)
         self._blocks.clear()
         self._nbytes = 0
-        self._catalog.remove_node(self.node_id)
+        self._note_removed(self._catalog.remove_node(self.node_id))
         return count
+
+    def close(self) -> None:
+        """Stop the pruning thread and close the catalog's connections. An actor's end does both; an
+        in-process store (tests) calls this."""
+        self._closed.set()
+        self._pruner.join()
+        self._catalog.close()
 
     def held(self, layer_group: int = 0) -> list[BlockHash]:
         """Hashes of the held blocks of a layer group, least recently used first."""
@@ -217,7 +274,31 @@ class KVTierStore:
 
     def prune_dead_nodes(self) -> int:
         """Delete the catalog rows of nodes that are no longer alive; returns how many went."""
-        return self._catalog.remove_nodes_except(alive_node_ids())
+        removed = self._catalog.remove_nodes_except(alive_node_ids())
+        self._note_removed(removed)
+        return len(removed)
+
+    def _prune_loop(self, period_s: float) -> None:
+        while not self._closed.wait(period_s):
+            try:
+                self.prune_dead_nodes()
+            except Exception:  # the GCS briefly unreachable, say: the next period tries again
+                logger.exception("cluster KV tier: pruning the rows of dead nodes failed")
+
+    def _note_removed(self, keys: Sequence[BlockKey]) -> None:
+        with self._removed_lock:
+            for key in keys:
+                self._removed[key] = None
+                self._removed.move_to_end(key)
+            while len(self._removed) > _MAX_PENDING_REMOVALS:
+                self._removed.popitem(last=False)
+
+    def _take_removed(self) -> tuple[BlockHash, ...]:
+        with self._removed_lock:
+            keys, self._removed = self._removed, OrderedDict()
+        # A block written here again since its row went is in the tier: not removed. Without its
+        # layer group a block cannot be loaded whole, so one group's row going removes the block.
+        return tuple(dict.fromkeys(BlockHash(h) for h, group in keys if (h, group) not in self._blocks))
 
     def stats(self) -> StoreStats:
         """Counters and occupancy of this store."""

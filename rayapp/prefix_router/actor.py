@@ -14,15 +14,21 @@ import time
 import ray
 
 from rayapp.config import RouterConfig
-from rayapp.engine.kv_events import CLUSTER_TIER, DEVICE_TIER, BlockHash, BlockStored, KVEvent
+from rayapp.engine.kv_events import CLUSTER_TIER, DEVICE_TIER, BlockHash, BlockRemoved, BlockStored, KVEvent
 from rayapp.prefix_router.index import PrefixIndex
 from rayapp.prefix_router.policy import Holding
 
 NAMESPACE = "rayapp"
 # The pseudo-replica holding the blocks of the cluster KV tier: every replica can load them. Replicas
-# announce the blocks they wrote there as `BlockStored(..., tier="cluster")`; those stay after the replica
-# leaves (a scaled-down replica's history stays loadable) and age out of the index by its LRU bound.
+# announce the blocks they wrote there as `BlockStored(..., tier="cluster")`, and the blocks their node's
+# store evicted or pruned as `BlockRemoved(..., tier="cluster")`. Tier blocks stay after the replica that
+# wrote them leaves (a scaled-down replica's history stays loadable); those whose removal went unreported
+# (a store that died with its node, a report lost with a batch) age out of the index by its LRU bound.
 CLUSTER_HOLDER = "@cluster-tier"
+
+
+def _is_cluster(event: KVEvent) -> bool:
+    return isinstance(event, (BlockStored, BlockRemoved)) and event.tier == CLUSTER_TIER
 
 
 class PrefixIndexService:
@@ -40,9 +46,9 @@ class PrefixIndexService:
         if batch != 0 and batch != self._next_batch.get(replica):
             self.remove_replica(replica)
             return False
-        cluster = [e for e in events if isinstance(e, BlockStored) and e.tier == CLUSTER_TIER]
-        self.index.apply(replica, [e for e in events if not (isinstance(e, BlockStored) and e.tier == CLUSTER_TIER)])
-        self.index.apply(CLUSTER_HOLDER, cluster)
+        # Cluster-tier events, whichever replica reports them, change the one shared holder.
+        self.index.apply(replica, [e for e in events if not _is_cluster(e)])
+        self.index.apply(CLUSTER_HOLDER, [e for e in events if _is_cluster(e)])
         self._next_batch[replica] = batch + 1
         self._last_heard[replica] = time.monotonic()
         return True

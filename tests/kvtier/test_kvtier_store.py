@@ -13,11 +13,11 @@ import ray
 import torch
 
 from rayapp.engine.kv_events import BlockHash, hash_blocks
-from rayapp.kvtier.catalog import Catalog, ChainMatch, TierUsage
+from rayapp.kvtier.catalog import BlockRow, Catalog, ChainMatch, TierUsage
 from rayapp.kvtier.codec import KVBlock, decode_block, encode_block
 from rayapp.kvtier.embedded import EmbeddedPostgres, _free_port, start_embedded_database, stop_embedded_database
 from rayapp.kvtier.loader import load_chain
-from rayapp.kvtier.store import KVTierStore, get_or_create_store, store_name
+from rayapp.kvtier.store import KVTierStore, PutResult, get_or_create_store, store_name
 
 DIM = 192  # the session catalog's representation size (tests/kvtier/conftest.py)
 # A small page (2 layers, 16 tokens, 3 KV heads, 64 dims, bf16) keeps the object store light.
@@ -63,11 +63,11 @@ def test_blocks_outlive_the_replica_that_wrote_them(cluster, catalog, dsn):
         def write(self, blocks: list[bytes]) -> list[bool]:
             # A separate process, like an LLMReplica: the store it writes to is looked up by name.
             named = ray.get_actor(store_name(ray.get_runtime_context().get_node_id()), namespace="rayapp")
-            return ray.get(named.put_many.remote([np.frombuffer(b, np.uint8) for b in blocks]))
+            return ray.get(named.put_many.remote([np.frombuffer(b, np.uint8) for b in blocks])).kept
 
     replica = Replica.remote()
     blocks = encoded_chain(3, "outlive")
-    assert ray.get(replica.write.remote(blocks)) == [True, True, True]
+    assert ray.get(replica.write.remote(blocks)) == (True, True, True)
     ray.kill(replica)
 
     match = catalog.longest_chain(hashes)
@@ -89,7 +89,7 @@ def test_a_chain_loads_verified_from_the_stores(cluster, catalog, dsn):
     tokens = list(range(1000, 1000 + 16 * 4))
     hashes = chain_hashes(4, "load")
     blocks = encoded_chain(4, "load")
-    assert ray.get(store.put_many.remote(blocks)) == [True] * 4
+    assert ray.get(store.put_many.remote(blocks)).kept == (True,) * 4
     match = catalog.longest_chain(hashes)
     loaded = load_chain(match, tokens, 16, ("m", "load"))
     assert [b.block_hash for b in loaded] == hashes
@@ -114,7 +114,9 @@ def test_a_chain_loads_verified_from_the_stores(cluster, catalog, dsn):
 @pytest.fixture
 def store(cluster, catalog, dsn) -> KVTierStore:
     """An in-process store (same code as the actor) of 3 blocks' capacity."""
-    return KVTierStore(dsn, DIM, 3 * BLOCK_BYTES + SLACK)
+    store = KVTierStore(dsn, DIM, 3 * BLOCK_BYTES + SLACK)
+    yield store
+    store.close()
 
 
 def test_eviction_keeps_capacity_and_catalog_in_step(store, catalog):
@@ -143,12 +145,30 @@ def test_a_recently_read_block_survives_eviction(store, catalog):
 
 def test_an_oversized_chain_keeps_its_head_and_evicts_tails_first(store, catalog):
     hashes = chain_hashes(5, "long")
-    assert store.put_many(encoded_chain(5, "long")) == [True, True, True, False, False]
+    assert store.put_many(encoded_chain(5, "long")) == PutResult((True, True, True, False, False))
     assert catalog.longest_chain(hashes).num_present == 3
-    assert store.put(encoded_chain(1, "other")[0])
-    # The chain's last held block went first: its first two blocks are still a usable prefix.
+    # The chain's last held block went first: its first two blocks are still a usable prefix. The put
+    # names it, as the engine hashes it, for the writer to announce to the prefix router.
+    assert store.put_many(encoded_chain(1, "other")) == PutResult((True,), removed=(hashes[2],))
     assert catalog.longest_chain(hashes).num_present == 2
     assert store.stats().rejected_puts == 2
+
+
+def test_every_block_that_left_the_tier_is_reported_once_unless_stored_here_again(store, catalog):
+    a, b, c, d, e, f = (chain_hashes(1, salt)[0] for salt in "abcdef")
+    for salt in "abc":
+        assert store.put(encoded_chain(1, salt)[0])
+    assert store.delete(a)
+    assert store.put(encoded_chain(1, "d")[0])  # a single put leaves the report to the next put_many
+    # Another store re-wrote c (on a live node, so no prune takes its row): c stays in the tier there.
+    other = BlockRow(c, None, "m", "c", 0, store.node_id, "store-other", BLOCK_BYTES, 16)
+    assert catalog.upsert([other])
+    assert store.put_many(encoded_chain(1, "e")) == PutResult((True,), removed=(a, b))  # b evicted
+    assert store.put_many(encoded_chain(1, "f")) == PutResult((True,))  # c evicted, but its row is not ours
+    assert catalog.longest_chain([c]).locations[0].store_name == "store-other"
+    assert store.delete(d)
+    assert store.put_many(encoded_chain(1, "d")) == PutResult((True,))  # d is back before anyone heard it went
+    assert set(store.held()) == {d, e, f}
 
 
 def test_delete_drops_bytes_and_row(store, catalog):
@@ -160,8 +180,8 @@ def test_delete_drops_bytes_and_row(store, catalog):
 
 
 def test_a_restarted_store_drops_the_rows_it_no_longer_backs(store, catalog, dsn):
-    assert store.put_many(encoded_chain(2, "old")) == [True, True]
-    KVTierStore(dsn, DIM, BLOCK_BYTES)  # the same node's store, started afresh
+    assert store.put_many(encoded_chain(2, "old")).kept == (True, True)
+    KVTierStore(dsn, DIM, BLOCK_BYTES).close()  # the same node's store, started afresh
     assert catalog.usage() == TierUsage(0, 0)
 
 
@@ -193,7 +213,7 @@ def test_database_down_disables_the_tier_once_and_calls_keep_working(cluster, pr
     assert ray.get(actor.stats.remote()).catalog_available is False
     with caplog.at_level(logging.WARNING):
         assert store.put(blocks[1]) is False
-        assert store.put_many(blocks) == [False, False]
+        assert store.put_many(blocks).kept == (False, False)
         assert lookup.longest_chain(hashes) == ChainMatch()
         assert lookup.longest_chain(hashes) == ChainMatch()
         assert lookup.usage() == TierUsage()
@@ -210,6 +230,7 @@ def test_database_down_disables_the_tier_once_and_calls_keep_working(cluster, pr
     assert db.start() == dsn  # back on the same port: the store (retry delay 0) reconnects
     assert store.put(blocks[1])
     assert lookup.longest_chain(hashes) == ChainMatch()  # still inside its hour-long retry delay
+    store.close()
 
 
 @pytest.fixture

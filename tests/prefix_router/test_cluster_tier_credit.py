@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from rayapp.config import RouterConfig
-from rayapp.engine.kv_events import CLUSTER_TIER, AllCleared, BlockStored, hash_blocks
+from rayapp.engine.kv_events import CLUSTER_TIER, AllCleared, BlockRemoved, BlockStored, hash_blocks
 from rayapp.prefix_router.actor import PrefixIndexService
 from rayapp.prefix_router.policy import FALLBACK, OVERLAP, Holding, rank
 
@@ -35,6 +35,19 @@ def test_device_blocks_beyond_the_tier_keep_their_own_count():
     service = PrefixIndexService(max_blocks=100, replica_timeout_s=60)
     service.publish("a", 0, [AllCleared(), stored(0, 8), stored(0, 3, CLUSTER_TIER)])
     assert service.match(HASHES, ["a", "b"]) == {"a": Holding(8, 0), "b": Holding(3, 3)}
+
+
+def test_blocks_gone_from_the_tier_stop_counting_for_every_replica_but_their_device_holder():
+    service = PrefixIndexService(max_blocks=100, replica_timeout_s=60)
+    service.publish("a", 0, [AllCleared(), stored(0, 6), stored(0, 6, CLUSTER_TIER)])
+    # b's write made its node's store evict the tail of a's run: b reports it, for the tier as a whole.
+    service.publish("b", 0, [AllCleared(), BlockRemoved(tuple(HASHES[4:6]), CLUSTER_TIER)])
+    assert service.match(HASHES, ["a", "b", "c"]) == {"a": Holding(6, 0), "b": Holding(4, 4), "c": Holding(4, 4)}
+    # A replica's own device eviction leaves the tier's copy alone, and the other way round.
+    service.publish("a", 1, [BlockRemoved(tuple(HASHES[2:6]))])
+    assert service.match(HASHES, ["a", "c"]) == {"a": Holding(4, 2), "c": Holding(4, 4)}
+    service.publish("b", 1, [BlockRemoved(tuple(HASHES[:4]), CLUSTER_TIER)])
+    assert service.match(HASHES, ["a", "c"]) == {"a": Holding(2, 0)}
 
 
 def test_policy_prefers_the_holder_then_prices_tier_blocks_below_recompute():
