@@ -22,7 +22,7 @@ import torch
 
 from rayapp import LLM, SamplingParams
 from rayapp.config import SparseConfig
-from rayapp.sparse.evaluation import needle_case
+from rayapp.sparse.evaluation import natural_text, needle_case
 
 SCALED = SparseConfig(
     enabled=True,
@@ -46,15 +46,6 @@ def quality_variants(topks: tuple[float, ...] = (0.2, 0.1, 0.05)) -> dict[str, S
                 SCALED, representation=rep, topk_percent=topk, scoring_queries=1 if plain else default.scoring_queries
             )
     return v
-
-
-def natural_text() -> str | None:
-    """Long English prose found on this machine (vim's user manual, else Python's license)."""
-    for pattern in ("/usr/share/vim/vim*/doc/usr_0[1-5].txt", "/usr/lib/python3*/LICENSE.txt"):
-        files = sorted(Path("/").glob(pattern.lstrip("/")))
-        if files:
-            return "\n".join(f.read_text(errors="ignore") for f in files)
-    return None
 
 
 def run_quality(

@@ -26,6 +26,8 @@ class LLM:
     dict of `KVTierConfig` fields. With `kvtier={"enabled": True}` full KV blocks are shared through
     the cluster tier (Ray is initialized here if it is not; with no `dsn` an embedded PostgreSQL is
     started), so several `LLM`s, in this program or others on the cluster, reuse each other's prefixes.
+    `layerwise={...}` with the fields of `rayapp.config.LayerwiseConfig` compresses the KV cache of the
+    upper layers after each prompt, e.g. `LLM(layerwise={"enabled": True, "compression_ratio": 4})`.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "cpu", **options: Any) -> None:
@@ -74,6 +76,7 @@ class LLM:
 
     def stats(self) -> dict[str, int]:
         """Counters since start (prompt, cached prompt and generated tokens) and the page pool now;
+        with layer-wise compression on, the `layerwise_*` ones (compacted sequences, pages given back);
         with sparse attention on, also the `sparse_*` counters (sequences per mode, selected blocks,
         device block cache hits and misses, blocks copied in the last step, host pages held)."""
         return self.engine.stats()

@@ -48,6 +48,15 @@ SPARSE_GAUGES = {
     "sparse_host_pages_held": "KV pages held in the host pool",
     "sparse_device_cache_pages": "KV pages of the device block cache",
 }
+LAYERWISE_COUNTERS = {
+    "layerwise_compacted_seqs": "Sequences whose KV was compressed layer-wise after their prompt",
+    "layerwise_compaction_skipped": "Prompts left dense because the pool had no pages for their compacted KV",
+    "layerwise_pages_saved": "KV pages given back to the pool by layer-wise compaction",
+}
+LAYERWISE_GAUGES = {
+    "layerwise_running_compacted": "Running sequences holding layer-wise compressed KV",
+    "layerwise_slots_held": "Per-layer page slots the compressed sequences hold (a pool page has one per layer)",
+}
 ENGINE_GAUGES = {
     "pages_free": "KV pages no sequence holds (cached ones included)",
     "pages_total": "KV pages in the pool",
@@ -56,8 +65,8 @@ ENGINE_GAUGES = {
     "num_waiting": "Sequences queued for admission",
 }
 
-COUNTERS = {**ENGINE_COUNTERS, **SPARSE_COUNTERS}
-GAUGES = {**ENGINE_GAUGES, **SPARSE_GAUGES}
+COUNTERS = {**ENGINE_COUNTERS, **SPARSE_COUNTERS, **LAYERWISE_COUNTERS}
+GAUGES = {**ENGINE_GAUGES, **SPARSE_GAUGES, **LAYERWISE_GAUGES}
 
 
 @dataclass

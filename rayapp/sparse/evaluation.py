@@ -1,4 +1,5 @@
-"""Needle-in-a-haystack prompts for judging retrieval scorers (used by tests and bench).
+"""Needle-in-a-haystack prompts and natural text for judging retrieval scorers and KV compression
+(used by tests and bench).
 
 A fact ("The access code for the Zephyr vault is 48213.") sits at a chosen depth of filler text
 built from varied, unrelated sentences; the question at the end asks for it. The answer is
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
@@ -92,3 +94,12 @@ def needle_case(tokenizer: PreTrainedTokenizerBase, num_tokens: int, depth: floa
     text = " ".join(sentences) + "\n\n" + question
     ids = chat_token_ids(tokenizer, [{"role": "user", "content": text}])
     return NeedleCase(ids, code, depth)
+
+
+def natural_text() -> str | None:
+    """Long English prose found on this machine (vim's user manual, else Python's license)."""
+    for pattern in ("/usr/share/vim/vim*/doc/usr_0[1-5].txt", "/usr/lib/python3*/LICENSE.txt"):
+        files = sorted(Path("/").glob(pattern.lstrip("/")))
+        if files:
+            return "\n".join(f.read_text(errors="ignore") for f in files)
+    return None
