@@ -93,14 +93,19 @@ def _ask_stores(match: ChainMatch, layer_group: int) -> list[ray.ObjectRef]:
 
 
 # A store that is gone: dead or restarting (RayActorError), pinned to a node that died (unschedulable),
-# on a node that died mid-call, or the owner of the bytes gone (ObjectLostError). Each is a miss: the
-# blocks are recomputed, never an error for the request.
+# on a node that died mid-call, the owner of the bytes gone (ObjectLostError), or no answer in
+# LOAD_TIMEOUT_S (a node cut off but not yet declared dead). Each is a miss: the blocks are
+# recomputed, never an error for the request.
 _LOST = (
     ray.exceptions.RayActorError,
     ray.exceptions.ActorUnschedulableError,
     ray.exceptions.NodeDiedError,
     ray.exceptions.ObjectLostError,
+    ray.exceptions.GetTimeoutError,
 )
+# A healthy 4K-token load answers in ~0.3 s (bench/kvtier.py); Ray takes tens of seconds to declare a
+# silent node dead. Past this a request stops waiting and recomputes.
+LOAD_TIMEOUT_S = 10.0
 
 
 def load_chain(
@@ -121,9 +126,9 @@ def load_chain(
     datas: list[object | None] = []
     for call in _ask_stores(match, layer_group):
         try:
-            refs = ray.get(call)
+            refs = ray.get(call, timeout=LOAD_TIMEOUT_S)
             present = [r for r in refs if r is not None]
-            fetched = iter(ray.get(present))
+            fetched = iter(ray.get(present, timeout=LOAD_TIMEOUT_S))
         except _LOST:
             break
         datas.extend(next(fetched) if r is not None else None for r in refs)

@@ -18,6 +18,7 @@ import torch
 
 from rayapp.config import KVTierConfig
 from rayapp.engine.kv_events import CLUSTER_TIER, AllCleared, BlockRemoved, BlockStored, hash_blocks
+from rayapp.kvtier import loader
 from rayapp.kvtier.catalog import BlockLocation, BlockRow, ChainMatch, TierUsage
 from rayapp.kvtier.client import KVTierClient
 from rayapp.kvtier.codec import KVBlock, encode_block
@@ -85,6 +86,24 @@ def test_a_store_whose_node_died_is_a_miss_never_an_error(cluster, catalog, dsn,
     assert load_chain(match, tokens, 16, ("m", "dead")) == []  # looked up now: no such actor
     monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: gone)
     assert load_chain(match, tokens, 16, ("m", "dead")) == []  # looked up before: its calls fail
+
+
+@ray.remote(num_cpus=0)
+class SilentStore:
+    """A store on a node cut off from the cluster: calls reach it and never come back."""
+
+    def get_many(self, block_hashes, layer_group=0):
+        time.sleep(3600)
+
+
+def test_a_store_that_does_not_answer_is_a_miss_after_the_load_timeout(cluster, monkeypatch):
+    silent = SilentStore.remote()
+    monkeypatch.setattr(loader, "LOAD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: silent)
+    dead = rows("cut", DEAD_NODE)
+    match = ChainMatch(3, tuple(BlockLocation(r.block_hash, 0, DEAD_NODE, r.store_name, 1000, 16) for r in dead))
+    assert load_chain(match, list(range(48)), 16, ("m", "cut")) == []
+    ray.kill(silent)
 
 
 # The client's blocks: 2 layers, 16 tokens, 3 KV heads of 64 dims, bf16 (SmolLM2's heads, fewer layers).
