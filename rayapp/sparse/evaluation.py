@@ -73,6 +73,7 @@ class NeedleCase:
     prompt_token_ids: list[int]
     answer: str
     depth: float
+    text: str  # the user message the prompt renders with the chat template
 
     def found(self, text: str) -> bool:
         return self.answer in text
@@ -93,7 +94,7 @@ def needle_case(tokenizer: PreTrainedTokenizerBase, num_tokens: int, depth: floa
     sentences.insert(round(depth * len(sentences)), needle)
     text = " ".join(sentences) + "\n\n" + question
     ids = chat_token_ids(tokenizer, [{"role": "user", "content": text}])
-    return NeedleCase(ids, code, depth)
+    return NeedleCase(ids, code, depth, text)
 
 
 def natural_text() -> str | None:
