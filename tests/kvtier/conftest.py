@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import ray
 
 from rayapp.kvtier.catalog import Catalog
 from rayapp.kvtier.embedded import EmbeddedPostgres
@@ -31,3 +32,11 @@ def catalog(dsn) -> Catalog:
     cat.remove_nodes_except([])
     yield cat
     cat.close()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray for one test module, with a small object store."""
+    ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False)
+    yield
+    ray.shutdown()

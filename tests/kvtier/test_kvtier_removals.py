@@ -33,13 +33,6 @@ DEAD_NODE = "de" * 28
 PRUNE_PERIOD_S = 0.2
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 def rows(salt: str, node_id: str) -> list[BlockRow]:
     """Catalog rows of a 3-block chain held by `node_id`'s store."""
     hashes = hash_blocks(list(range(48)), 16, ("m", salt))

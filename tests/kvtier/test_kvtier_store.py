@@ -46,13 +46,6 @@ BLOCK_BYTES = len(encoded_chain(1)[0])
 SLACK = 100
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(address="local", num_cpus=2, object_store_memory=100 << 20, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 def test_blocks_outlive_the_replica_that_wrote_them(cluster, catalog, dsn):
     store = get_or_create_store(dsn, DIM, 64 * BLOCK_BYTES)
     assert get_or_create_store(dsn, DIM, 1)._actor_id == store._actor_id
