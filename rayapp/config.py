@@ -194,13 +194,6 @@ class EngineConfig:
             raise ValueError(
                 f"invalid sparse settings: retrieval_block_size={rb} must be a multiple of block_size={bs}"
             )
-        if self.sparse.enabled and self.layerwise.enabled:
-            # Sparse retrieval scores, selects and offloads whole pages of one token-ordered page table per
-            # sequence; a compressed layer keeps other tokens per head in pages of its own.
-            raise ValueError(
-                "sparse retrieval and layer-wise compression cannot be on together: sparse retrieval reads the "
-                "shared page table that compressed layers give up; turn off sparse.enabled or layerwise.enabled"
-            )
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:
@@ -463,6 +456,10 @@ class LayerwiseConfig:
     layers keep every token and each other layer keeps only its budget of the highest-scoring ones
     (scores: the attention of the prompt's last `window` queries, max-pooled over `kernel_size` keys),
     in pages of its own; the pages this frees go back to the pool. Decoded tokens join every layer.
+
+    With sparse retrieval on as well, the two split the prompts: those below `sparse.dense_boundary`
+    are compressed, longer ones decode with sparse retrieval (which selects whole pages of the
+    token-ordered table that compacted sequences give up).
     """
 
     enabled: bool = False

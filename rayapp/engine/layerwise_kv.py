@@ -97,7 +97,13 @@ class LayerwiseKV:
         self.max_pages = math.ceil((config.model.max_model_len or spec.max_position_embeddings) / self.bs) + 1
         self._captures: dict[str, _Capture] = {}
         self._compacted: dict[str, _Compacted] = {}
+        # With sparse retrieval on, its prompts (from dense_boundary on) are not compressed.
+        self.max_prompt_tokens = config.sparse.dense_boundary if config.sparse.enabled else None
         self.counters = {"layerwise_compacted_seqs": 0, "layerwise_compaction_skipped": 0, "layerwise_pages_saved": 0}
+
+    def compresses(self, seq: Sequence) -> bool:
+        """Whether `seq` is compacted after its prompt (not when sparse retrieval takes it)."""
+        return self.max_prompt_tokens is None or seq.num_prompt_tokens < self.max_prompt_tokens
 
     # --- plans -----------------------------------------------------------------------------
 
@@ -164,6 +170,9 @@ class LayerwiseKV:
         offset = 0  # row of the sequence's first token among the step's prefill rows
         for i in range(num_decodes, len(seqs)):
             seq, start, n = seqs[i], starts[i], num_new[i]
+            if not self.compresses(seq):
+                offset += n
+                continue
             end, total = start + n, seq.num_tokens
             cap = self._captures.get(seq.seq_id)
             first = total - min(self.cfg.window, total)

@@ -85,10 +85,11 @@ class LLMEngine:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("use_sparse_config needs an idle engine: finish or abort the running requests first")
-        config = dataclasses.replace(self.config, sparse=sparse)
+        self.config = dataclasses.replace(self.config, sparse=sparse)
         self.sparse = self.runner.sparse = (
-            SparseKV(config, self.runner, self.block_manager, self.max_model_len) if sparse.enabled else None
+            SparseKV(self.config, self.runner, self.block_manager, self.max_model_len) if sparse.enabled else None
         )
+        self._use_layerwise(self.config.layerwise)  # which prompts it leaves to sparse retrieval changed
 
     def use_layerwise_config(self, layerwise: LayerwiseConfig) -> None:
         """Switch the layer-wise compression settings between requests (the engine must be idle).
@@ -183,7 +184,7 @@ class LLMEngine:
         seq.generator = make_generator(params, self.runner.device)
         if self.sparse is not None and self.sparse.policy.mode(len(ids)) is not AttentionMode.DENSE:
             seq.min_recompute_tokens = min(len(ids), self.config.sparse.scoring_queries)
-        if self.layerwise is not None:  # the observation window's queries score the prompt
+        if self.layerwise is not None and self.layerwise.compresses(seq):  # the window's queries score the prompt
             seq.min_recompute_tokens = min(len(ids), self.config.layerwise.window)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         return Request(seq, prompt, ids, detok, max_new)

@@ -82,18 +82,22 @@ class PagedAttention:
         return torch.cat([self._decode(layer, q[:nd], kc, vc), prefill])
 
     def _decode(self, layer: int, q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
-        m, plan, lw = self.meta, self.meta.sparse_plan, self.meta.layerwise
-        if lw is not None and lw.compact_idx is not None:
-            assert self.layerwise is not None and lw.dense_idx is not None
-            out = torch.empty_like(q)
-            if lw.dense_idx.numel():
-                out[lw.dense_idx] = paged_decode_attention(
-                    q[lw.dense_idx], kc, vc, lw.dense_table, lw.dense_ctx, self.scale
-                )
-            out[lw.compact_idx] = self.layerwise.attend(layer, q[lw.compact_idx], lw, self.scale)
-            return out
+        m, lw = self.meta, self.meta.layerwise
+        if lw is None or lw.compact_idx is None:
+            return self._shared_table(layer, q, kc, vc, m.decode_page_table, m.decode_context_lens)
+        assert self.layerwise is not None and lw.dense_idx is not None
+        out = torch.empty_like(q)
+        if lw.dense_idx.numel():
+            out[lw.dense_idx] = self._shared_table(layer, q[lw.dense_idx], kc, vc, lw.dense_table, lw.dense_ctx)
+        out[lw.compact_idx] = self.layerwise.attend(layer, q[lw.compact_idx], lw, self.scale)
+        return out
+
+    def _shared_table(self, layer: int, q: Tensor, kc: Tensor, vc: Tensor, table: Tensor, ctx: Tensor) -> Tensor:
+        """Decode rows that read the shared page table (all but compacted ones): dense, or sparse where
+        the sparse plan (made for exactly these rows, in this order) says so."""
+        plan = self.meta.sparse_plan
         if plan is None:
-            return paged_decode_attention(q, kc, vc, m.decode_page_table, m.decode_context_lens, self.scale)
+            return paged_decode_attention(q, kc, vc, table, ctx, self.scale)
         assert self.sparse is not None
         out = torch.empty_like(q)
         if plan.dense_idx.numel():
@@ -191,8 +195,10 @@ class ModelRunner:
             prefill_query_start_loc=self._tensor([0] + [e - nd for e in ends[nd:]]),
             prefill_context_lens=self._tensor(prefill_lens),
         )
-        if self.sparse is not None and nd:
-            meta.sparse_plan = self.sparse.plan(batch.seqs[:nd], tables[:nd])
+        # Compacted rows attend through their own tables; sparse retrieval plans the others, in order.
+        shared = [i for i in range(nd) if not batch.seqs[i].compacted]
+        if self.sparse is not None and shared:
+            meta.sparse_plan = self.sparse.plan([batch.seqs[i] for i in shared], tables[self._tensor(shared)])
         if self.sparse is not None and nd < len(batch.seqs):
             meta.sparse_capture = self.sparse.plan_capture(batch.seqs[nd:], starts[nd:], batch.num_new_tokens[nd:])
         if self.layerwise is not None:

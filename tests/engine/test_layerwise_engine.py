@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rayapp import LLM, SamplingParams
-from rayapp.config import AppConfig, EngineConfig, LayerwiseConfig, LayerwiseSettings
+from rayapp.config import AppConfig, EngineConfig, LayerwiseConfig, LayerwiseSettings, SparseConfig
 from rayapp.engine.layerwise_kv import LayerwiseKV
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.sparse.evaluation import needle_case
@@ -127,9 +127,26 @@ def test_a_preempted_compacted_sequence_resumes():
     assert engine.stats()["num_preemptions"] > 0
 
 
+def test_with_sparse_retrieval_on_long_prompts_go_sparse_and_short_ones_are_compressed():
+    sparse = SparseConfig(enabled=True, init_tokens=64, local_tokens=128, retrieval_block_size=64, dense_boundary=512)
+    llm = LLM(dtype="float32", num_pages=256, sparse=sparse, layerwise={"enabled": True})
+    tok = llm.get_tokenizer()
+    long, short = (needle_case(tok, n, 0.5, seed=30 + n).prompt_token_ids for n in (800, 300))
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    both = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=[long, short], sampling_params=params)]
+    stats = llm.stats()
+    assert stats["sparse_seqs_sparse"] == 1 and stats["sparse_seqs_dense"] == 1
+    assert stats["layerwise_compacted_seqs"] == 1
+    # Each equals its prompt run alone with only its own method on.
+    llm.engine.use_layerwise_config(LayerwiseConfig())
+    assert llm.generate(prompt_token_ids=long, sampling_params=params)[0].outputs[0].token_ids == both[0]
+    llm.engine.use_sparse_config(dataclasses.replace(sparse, enabled=False))
+    llm.engine.use_layerwise_config(ON)
+    assert llm.generate(prompt_token_ids=short, sampling_params=params)[0].outputs[0].token_ids == both[1]
+    llm.engine.block_manager.check_invariants()
+
+
 def test_settings_that_cannot_work_say_what_to_change():
-    with pytest.raises(ValueError, match="turn off sparse.enabled or layerwise.enabled"):
-        EngineConfig.from_options(sparse={"enabled": True}, layerwise={"enabled": True})
     with pytest.raises(ValueError, match="to keep that fraction of their tokens pass 4"):
         LayerwiseConfig(compression_ratio=0.25)
     with pytest.raises(ValueError, match="odd"):
