@@ -1,0 +1,34 @@
+"""rayapp's settings: the engine's frozen dataclasses (`rayapp.config.engine`) and the Serve
+application's Pydantic models that validate `rayapp.config.yaml` (`rayapp.config.app`)."""
+
+from rayapp.config.app import AppConfig, KVTierSettings, LayerwiseSettings, RouterConfig, SparseSettings
+from rayapp.config.engine import (
+    DTYPES,
+    REPRESENTATIONS,
+    SPARSE_ENV,
+    CacheConfig,
+    EngineConfig,
+    KVTierConfig,
+    LayerwiseConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SparseConfig,
+)
+
+__all__ = [
+    "DTYPES",
+    "REPRESENTATIONS",
+    "SPARSE_ENV",
+    "AppConfig",
+    "CacheConfig",
+    "EngineConfig",
+    "KVTierConfig",
+    "KVTierSettings",
+    "LayerwiseConfig",
+    "LayerwiseSettings",
+    "ModelConfig",
+    "RouterConfig",
+    "SchedulerConfig",
+    "SparseConfig",
+    "SparseSettings",
+]

@@ -1,0 +1,209 @@
+"""The Serve application's settings: Pydantic models that validate `args:` of `rayapp.config.yaml`
+(and of the KubeRay RayService) and build the engine's frozen settings from them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rayapp.config.engine import (
+    CacheConfig,
+    EngineConfig,
+    KVTierConfig,
+    LayerwiseConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SparseConfig,
+)
+
+
+class SparseSettings(BaseModel):
+    """`sparse:` of the app config; the same fields as `SparseConfig`. Fields left unset take the
+    `VLLM_RETRIEVAL_*` environment of the replica, then the defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        False, description="Sparse retrieval attention for long prompts (also VLLM_PLUGINS=retrieval)"
+    )
+    init_tokens: int = Field(1024, ge=0, description="First tokens always attended (rounded up to whole pages)")
+    local_tokens: int = Field(7192, ge=0, description="Last tokens always attended (rounded up to whole pages)")
+    topk_percent: float = Field(0.2, gt=0, le=1, description="Share of the middle's retrieval blocks attended per step")
+    retrieval_block_size: int = Field(128, ge=1, description="Tokens per retrieval block, a multiple of block_size")
+    dense_boundary: int = Field(32768, ge=1, description="Prompts shorter than this decode densely")
+    offload_boundary: int = Field(65536, ge=1, description="Prompts longer than this move their middle to host memory")
+    retrieval_stride: int = Field(1, ge=1, description="Re-select the middle blocks every this many decode steps")
+    representation: Literal["mean", "minmax", "multimean", "oracle"] = Field(
+        "multimean",
+        description="Block summary for scoring: mean key, min/max (Quest), several mean keys per block, or oracle "
+        "(true attention mass; reads every key, for evaluation only)",
+    )
+    representative_keys: int = Field(8, ge=1, description="Mean keys per retrieval block for multimean")
+    scoring_queries: int = Field(
+        1, ge=1, description="Recent queries (the prompt's last tokens, then decode steps') that score blocks"
+    )
+    dense_layers: list[int] = Field(
+        default_factory=list, description="Layers that stay dense (below offload_boundary; above it all are sparse)"
+    )
+    device_cache_blocks: int = Field(512, ge=1, description="Device block cache size per layer, in retrieval blocks")
+    host_pool_memory_gb: float = Field(8.0, gt=0, description="Most host memory the offload pool grows to")
+
+    def sparse_config(self) -> SparseConfig:
+        """The engine's `SparseConfig`: explicit fields over the environment over the defaults."""
+        return SparseConfig.from_env(**{k: getattr(self, k) for k in self.model_fields_set})
+
+
+class RouterConfig(BaseModel):
+    """How requests are spread over replicas: `router:` in `rayapp.config.yaml`.
+
+    Routing cost of a replica, in prompt tokens: `prefill_weight * tokens it must compute
+    + loadable_weight * tokens it holds off-device + queue_weight_tokens * its ongoing requests`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_router_class: str = Field(
+        "rayapp.prefix_router:PrefixAwareRouter",
+        description="Import path of the Serve RequestRouter for the replicas. Others that work: "
+        "'ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter' (Serve's default) and Ray Serve "
+        "LLM's text-trie router 'ray.serve.llm.request_router:PrefixCacheAffinityRouter' (needs vLLM or SGLang "
+        "installed; 'ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:"
+        "PrefixCacheAffinityRouter' is the same class and needs only pyarrow)",
+    )
+    prefill_weight: float = Field(1.0, gt=0, description="Cost of one prompt token a replica must compute")
+    loadable_weight: float = Field(
+        0.25, ge=0, description="Cost of one prompt token a replica holds off-device (host tier), relative to recompute"
+    )
+    queue_weight_tokens: float = Field(
+        64.0, ge=0, description="Cost of one request already running or queued on a replica, in prompt tokens"
+    )
+    min_overlap_blocks: int = Field(
+        1, ge=1, description="Route by cached prefix only when some replica holds at least this many leading blocks"
+    )
+    index_timeout_s: float = Field(
+        0.05, gt=0, description="Longest a routing decision waits for the PrefixIndex before power-of-two choices"
+    )
+    index_max_blocks: int = Field(1_000_000, ge=1, description="Blocks the PrefixIndex keeps; LRU leaves drop past it")
+    event_batch_period_s: float = Field(
+        0.05, gt=0, le=1.0, description="A replica sends its KV events to the PrefixIndex at least this often"
+    )
+    event_batch_max: int = Field(512, ge=1, description="Most KV events in one batch a replica sends")
+    replica_timeout_s: float = Field(
+        10.0, gt=0, description="A replica silent this long (dead, partitioned) leaves the PrefixIndex"
+    )
+
+
+class KVTierSettings(BaseModel):
+    """The cluster KV tier: `kvtier:` in `rayapp.config.yaml` (the fields of `KVTierConfig`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        False, description="Write full KV blocks to the cluster tier and load them on a local prefix miss"
+    )
+    dsn: str | None = Field(
+        None,
+        description="PostgreSQL / openGauss connection string of the catalog; null: rayapp starts an embedded "
+        "PostgreSQL + pgvector once per cluster",
+    )
+    capacity_bytes: int = Field(
+        2 << 30, ge=1, description="Bytes of blocks each node's tier store keeps (LRU); keep below the object store"
+    )
+    data_dir: str | None = Field(
+        None, description="Data directory of the embedded database; null: a folder in the temp dir. Not with dsn"
+    )
+    min_load_tokens: int = Field(
+        16, ge=1, description="Load tier blocks only when they cover this many more prompt tokens than the local cache"
+    )
+
+    def to_config(self) -> KVTierConfig:
+        """The frozen engine-side section."""
+        return KVTierConfig(**self.model_dump())
+
+
+class LayerwiseSettings(BaseModel):
+    """`layerwise:` of the app config; the same fields as `LayerwiseConfig`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(False, description="Compress the KV cache of the upper layers after each prefill")
+    compression_ratio: float = Field(
+        4.0, ge=0, description="How many times smaller compressed layers are on average; 0 or 1 keeps every token"
+    )
+    schedule: Literal["pyramid", "uniform"] = Field(
+        "pyramid", description="pyramid (PyramidKV): budgets shrink with depth; uniform (SnapKV): equal budgets"
+    )
+    full_layers: int = Field(3, ge=0, description="First layers that keep every token (and stay prefix-cacheable)")
+    window: int = Field(32, ge=1, description="Last prompt tokens whose queries score the keys; always kept")
+    kernel_size: int = Field(5, ge=1, description="Max-pooling width over the key scores (odd; 1: none)")
+
+
+class AppConfig(BaseModel):
+    """The Serve application's settings: `args:` of `rayapp.config.yaml` and of the KubeRay
+    RayService's `serveConfigV2`, validated by this one model so the two cannot drift."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(
+        None, description="Hugging Face safetensors directory (Llama / Qwen2); null: the shipped SmolLM2-135M-Instruct"
+    )
+    served_model_name: str | None = Field(
+        None, description="Name clients put in the request's `model` field; null: the model's directory name"
+    )
+    dtype: str = Field("auto", description="auto (the checkpoint's), float32, bfloat16 or float16")
+    device: str = Field("cpu", description="cpu, cuda or npu: each replica takes one such device")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output in tokens; null: the model's")
+    block_size: int = Field(16, ge=1, description="Tokens per KV page")
+    num_pages: int | None = Field(None, ge=1, description="KV pages per replica; null: sized from kv_cache_memory_gb")
+    kv_cache_memory_gb: float = Field(2.0, gt=0, description="KV cache memory per replica when num_pages is null")
+    enable_prefix_caching: bool = Field(True, description="Share the KV pages of common prefixes across requests")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together in one step")
+    max_num_batched_tokens: int = Field(512, ge=1, description="Tokens computed per step (the prefill chunk size)")
+    replicas: int = Field(1, ge=1, description="Number of LLMReplica deployments' replicas (one engine each)")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per replica (fractional values pack replicas)")
+    api_keys: list[str] = Field(
+        default_factory=list, description="Accepted bearer tokens; empty: no authentication. Each key is a tenant"
+    )
+    max_queued_requests: int = Field(
+        256, ge=1, description="Requests admitted at once across replicas; more get HTTP 429"
+    )
+    router: RouterConfig = Field(default_factory=RouterConfig, description="Request routing across replicas")
+    sparse: SparseSettings = Field(
+        default_factory=SparseSettings, description="Sparse retrieval attention (RetrievalKV) for long prompts"
+    )
+    kvtier: KVTierSettings = Field(
+        default_factory=KVTierSettings, description="Cluster KV tier shared by the replicas (off by default)"
+    )
+    layerwise: LayerwiseSettings = Field(
+        default_factory=LayerwiseSettings,
+        description="Layer-wise KV compression (PyramidKV / SnapKV) after prefill (off by default)",
+    )
+
+    @model_validator(mode="after")
+    def _engine_settings_are_valid(self) -> AppConfig:
+        self.engine_config()
+        return self
+
+    def engine_config(self) -> EngineConfig:
+        """The replica engine's settings."""
+        sections = (ModelConfig, CacheConfig, SchedulerConfig)
+        fields = {f.name for section in sections for f in dataclasses.fields(section)}
+        options = {k: v for k, v in self.model_dump().items() if k in fields}
+        return EngineConfig.from_options(
+            **options,
+            sparse=self.sparse.sparse_config(),
+            kvtier=self.kvtier.to_config(),
+            layerwise=LayerwiseConfig(**self.layerwise.model_dump()),
+        )
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        """Resources of one replica: its CPUs and, on an accelerator, one device."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        kind = self.device.split(":")[0]
+        if kind == "cuda":
+            options["num_gpus"] = 1
+        elif kind == "npu":
+            options["resources"] = {"NPU": 1}
+        return options
