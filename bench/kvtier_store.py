@@ -10,7 +10,10 @@ A 4K-token history of SmolLM2-135M is 256 blocks of 16 tokens, each block all 30
       the whole load a replica would do: catalog lookup + `load_chain` (fetch, decode, verify
       hash, parent, tokens and tenant of every block);
   (d) catalog: `longest_chain` of a full 256-hash history against a table holding other rows too,
-      p50 / p99 over many lookups (one SQL round trip each).
+      p50 / p99 over many lookups (one SQL round trip each);
+  (e) a read during a write: `get_many` of a held history while another history's `put_many` is
+      copying its bytes in, on a store serving one call at a time (as it used to) and on one serving
+      `STORE_CONCURRENCY` calls at once (as `get_or_create_store` makes it).
 
 Runs a local Ray and an embedded PostgreSQL in a temp dir, both stopped at the end. Every number
 is measured in this run.
@@ -35,7 +38,7 @@ from rayapp.kvtier.catalog import BlockRow, Catalog
 from rayapp.kvtier.codec import KVBlock, decode_block, encode_block
 from rayapp.kvtier.embedded import start_embedded_database, stop_embedded_database
 from rayapp.kvtier.loader import load_chain
-from rayapp.kvtier.store import get_or_create_store
+from rayapp.kvtier.store import STORE_CONCURRENCY, KVTierStore, get_or_create_store
 
 LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 30, 16, 3, 64
 HISTORY_TOKENS = 4096
@@ -58,6 +61,29 @@ def history(seed: int) -> list[KVBlock]:
 
 def mb_per_s(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e6
+
+
+def read_during_put(dsn: str, concurrency: int, rounds: int) -> list[float]:
+    """Seconds a `get_many` of a held history takes while another history's `put_many` runs, per round."""
+    store = (
+        ray.remote(KVTierStore)
+        .options(num_cpus=0, max_concurrency=concurrency)
+        .remote(dsn, DIM, (rounds + 2) * 100 << 20)
+    )
+    held = history(100)
+    assert all(ray.get(store.put_many.remote([np.frombuffer(encode_block(b), np.uint8) for b in held])).kept)
+    hashes = [b.block_hash for b in held]
+    seconds = []
+    for r in range(rounds):
+        incoming = [np.frombuffer(encode_block(b), np.uint8) for b in history(200 + r)]
+        pending = store.put_many.remote(incoming)
+        t0 = time.perf_counter()
+        refs = ray.get(store.get_many.remote(hashes))
+        seconds.append(time.perf_counter() - t0)
+        assert all(ref is not None for ref in refs)
+        assert all(ray.get(pending).kept)
+    ray.kill(store)
+    return seconds
 
 
 def main() -> None:
@@ -135,6 +161,8 @@ def main() -> None:
         latencies.sort()
         usage = catalog.usage()
         catalog.close()
+        # Last: a store that starts drops its node's rows, the ones above included.
+        serial, concurrent = (read_during_put(dsn, c, args.rounds) for c in (1, STORE_CONCURRENCY))
     finally:
         stop_embedded_database()
         ray.shutdown()
@@ -159,6 +187,10 @@ def main() -> None:
     p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3
     print(f"\ncatalog longest_chain of {HISTORY_TOKENS // BLOCK} hashes, {args.lookups} lookups: "
           f"p50 {p50:.2f} ms, p99 {p99:.2f} ms")  # fmt: skip
+    print(f"\nget_many of a held history while another history's put_many runs ({args.rounds} rounds, median):")
+    print(f"  store serving one call at a time {med(serial) * 1e3:8.1f} ms")
+    print(f"  store serving {STORE_CONCURRENCY} calls at once     {med(concurrent) * 1e3:8.1f} ms"
+          f"   ({med(serial) / med(concurrent):.1f}x faster)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ even if the store evicts the block meanwhile, so a reader never loses a block it
 When the catalog database is unreachable the store refuses new blocks (`put` returns False, once
 warned about by the catalog) and still serves the blocks it holds.
 
+The actor serves calls concurrently (`STORE_CONCURRENCY` threads): copying a history's bytes into the
+object store takes a large `put_many` a good part of a second, and a replica's `get_many` must not wait
+behind it. One lock guards the store's state; the bytes are copied outside it.
+
 A node that dies takes its blocks with it: every store deletes the rows of dead nodes when it starts
 and then every `PRUNE_PERIOD_S`, on a thread of its own. Blocks whose rows a store removed (evicted,
 deleted, or of a dead node) leave the tier; `put_many` hands them to the writing replica, which
@@ -46,6 +50,8 @@ PRUNE_PERIOD_S = 10.0
 # Removed blocks kept for the next `put_many`, at most: past it the oldest go unreported (the prefix
 # index then keeps crediting them until its own LRU bound drops them).
 _MAX_PENDING_REMOVALS = 1 << 16
+# Calls a store actor serves at once: the gets of loading replicas while puts copy bytes in.
+STORE_CONCURRENCY = 8
 
 Representation = Sequence[float] | np.ndarray | None
 
@@ -124,8 +130,10 @@ class KVTierStore:
         self._blocks: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
         self._nbytes = 0
         self._puts = self._rejected = self._hits = self._misses = self._evictions = 0
+        # Guards the blocks, their bytes and the counters: the actor runs calls on several threads.
+        self._lock = threading.Lock()
         # Keys whose rows this store removed, oldest first, until a `put_many` reports them. The
-        # pruning thread adds to it too, hence the lock.
+        # pruning thread adds to it too, hence a lock of its own.
         self._removed: OrderedDict[BlockKey, None] = OrderedDict()
         self._removed_lock = threading.Lock()
         self._note_removed(self._catalog.remove_node(self.node_id))
@@ -166,47 +174,59 @@ class KVTierStore:
             raise ValueError(f"{len(representations)} representations for {len(blocks)} blocks")
         headers = [decode_header(data) for data in blocks]
         if not self._catalog.available:
-            self._rejected += len(blocks)
+            with self._lock:
+                self._rejected += len(blocks)
             return [False] * len(blocks)
         keys = [(h.block_hash, h.layer_group) for h in headers]
         arrays = [_as_uint8(data) for data in blocks]
-        held = {key for key in keys if key in self._blocks}
-        budget = self.capacity_bytes - sum(self._blocks[key].nbytes for key in held)
+        with self._lock:
+            held = {key for key in keys if key in self._blocks}
+            budget = self.capacity_bytes - sum(self._blocks[key].nbytes for key in held)
         admitted: dict[tuple[int, int], np.ndarray] = {}
         for key, array in zip(keys, arrays):
             if key not in held and key not in admitted and array.nbytes <= budget:
                 admitted[key] = array
                 budget -= array.nbytes
-        kept = [key in held or key in admitted for key in keys]
-        # The bytes go in before their rows, so a row never names bytes that were never there.
-        entries = {key: _Entry(ray.put(array), array.nbytes) for key, array in admitted.items()}
-        rows = [
-            BlockRow(
-                block_hash=h.block_hash, parent_hash=h.parent_hash, model_id=h.model_id, cache_salt=h.cache_salt,
-                layer_group=h.layer_group, node_id=self.node_id, store_name=self.name, nbytes=array.nbytes,
-                num_tokens=len(h.token_ids), representation=rep,
-            )
-            for h, array, rep, ok in zip(headers, arrays, representations, kept)
-            if ok
-        ]  # fmt: skip
-        if not self._catalog.upsert(rows):
-            self._rejected += len(blocks)
-            return [False] * len(blocks)
-        for key in reversed(keys):
-            if key in held:
-                self._blocks.move_to_end(key)
-        # Only blocks outside this batch are evicted: `budget` kept the batch within the capacity.
-        self._evict(self._nbytes + sum(e.nbytes for e in entries.values()) - self.capacity_bytes)
-        for key in reversed(keys):  # the chain's head ends most recently used
-            if key in entries and key not in self._blocks:
-                self._blocks[key] = entries[key]
-                self._nbytes += entries[key].nbytes
-        self._puts += sum(kept)
-        self._rejected += len(kept) - sum(kept)
+        # The slow part, outside the lock. The bytes go in before their rows, so a row never names bytes
+        # that were never there.
+        entries = self._put_objects(admitted)
+        with self._lock:
+            # Another call may have evicted or stored some of these blocks meanwhile: rows are written for
+            # what the store holds once this call is done.
+            present = {key for key in keys if key in self._blocks or key in entries}
+            rows = [
+                BlockRow(
+                    block_hash=h.block_hash, parent_hash=h.parent_hash, model_id=h.model_id,
+                    cache_salt=h.cache_salt, layer_group=h.layer_group, node_id=self.node_id,
+                    store_name=self.name, nbytes=array.nbytes, num_tokens=len(h.token_ids), representation=rep,
+                )
+                for h, key, array, rep in zip(headers, keys, arrays, representations)
+                if key in present
+            ]  # fmt: skip
+            if not self._catalog.upsert(rows):
+                self._rejected += len(blocks)
+                return [False] * len(blocks)
+            for key in reversed(keys):
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
+            new = {key: entry for key, entry in entries.items() if key not in self._blocks}
+            # Only blocks outside this batch are evicted: `budget` kept the batch within the capacity.
+            self._evict(self._nbytes + sum(e.nbytes for e in new.values()) - self.capacity_bytes)
+            for key in reversed(keys):  # the chain's head ends most recently used
+                if key in new:
+                    self._blocks[key] = new.pop(key)
+                    self._nbytes += self._blocks[key].nbytes
+            kept = [key in self._blocks for key in keys]
+            self._puts += sum(kept)
+            self._rejected += len(kept) - sum(kept)
         return kept
 
+    def _put_objects(self, arrays: dict[tuple[int, int], np.ndarray]) -> dict[tuple[int, int], _Entry]:
+        """Copy blocks' bytes into the object store, owned by this actor (no lock held: it is the slow part)."""
+        return {key: _Entry(ray.put(array), array.nbytes) for key, array in arrays.items()}
+
     def _evict(self, nbytes: int) -> None:
-        """Drop least recently used blocks until `nbytes` are freed, and their catalog rows.
+        """Drop least recently used blocks until `nbytes` are freed, and their catalog rows (lock held).
 
         Only the rows still naming this store count as removed: a block another store re-wrote
         meanwhile stays in the tier there."""
@@ -231,34 +251,39 @@ class KVTierStore:
         """
         refs: list[ray.ObjectRef | None] = []
         hit: list[int] = []
-        for block_hash in block_hashes:
-            entry = self._blocks.get((block_hash, layer_group))
-            refs.append(None if entry is None else entry.ref)
-            if entry is not None:
-                hit.append(block_hash)
-        self._hits += len(hit)
-        self._misses += len(refs) - len(hit)
-        for block_hash in reversed(hit):  # as in put_many: earlier blocks of a chain end more recently used
-            self._blocks.move_to_end((block_hash, layer_group))
+        with self._lock:
+            for block_hash in block_hashes:
+                entry = self._blocks.get((block_hash, layer_group))
+                refs.append(None if entry is None else entry.ref)
+                if entry is not None:
+                    hit.append(block_hash)
+            self._hits += len(hit)
+            self._misses += len(refs) - len(hit)
+            for block_hash in reversed(hit):  # as in put_many: earlier blocks of a chain end more recently used
+                self._blocks.move_to_end((block_hash, layer_group))
         if hit:
             self._catalog.touch(hit, layer_group)
         return refs
 
     def delete(self, block_hash: int, layer_group: int = 0) -> bool:
         """Drop a held block and its row; False if it was not held."""
-        entry = self._blocks.pop((block_hash, layer_group), None)
-        if entry is None:
-            return False
-        self._nbytes -= entry.nbytes
-        self._note_removed(self._catalog.remove([block_hash], layer_group, node_id=self.node_id, store_name=self.name))
+        with self._lock:
+            entry = self._blocks.pop((block_hash, layer_group), None)
+            if entry is None:
+                return False
+            self._nbytes -= entry.nbytes
+            removed = self._catalog.remove([block_hash], layer_group, node_id=self.node_id, store_name=self.name)
+        self._note_removed(removed)
         return True
 
     def clear(self) -> int:
         """Drop every block and this node's rows (before the store is shut down); returns how many blocks."""
-        count = len(self._blocks)
-        self._blocks.clear()
-        self._nbytes = 0
-        self._note_removed(self._catalog.remove_node(self.node_id))
+        with self._lock:
+            count = len(self._blocks)
+            self._blocks.clear()
+            self._nbytes = 0
+            removed = self._catalog.remove_node(self.node_id)
+        self._note_removed(removed)
         return count
 
     def close(self) -> None:
@@ -270,7 +295,8 @@ class KVTierStore:
 
     def held(self, layer_group: int = 0) -> list[BlockHash]:
         """Hashes of the held blocks of a layer group, least recently used first."""
-        return [BlockHash(h) for h, group in self._blocks if group == layer_group]
+        with self._lock:
+            return [BlockHash(h) for h, group in self._blocks if group == layer_group]
 
     def prune_dead_nodes(self) -> int:
         """Delete the catalog rows of nodes that are no longer alive; returns how many went."""
@@ -298,15 +324,18 @@ class KVTierStore:
             keys, self._removed = self._removed, OrderedDict()
         # A block written here again since its row went is in the tier: not removed. Without its
         # layer group a block cannot be loaded whole, so one group's row going removes the block.
-        return tuple(dict.fromkeys(BlockHash(h) for h, group in keys if (h, group) not in self._blocks))
+        with self._lock:
+            return tuple(dict.fromkeys(BlockHash(h) for h, group in keys if (h, group) not in self._blocks))
 
     def stats(self) -> StoreStats:
         """Counters and occupancy of this store."""
-        return StoreStats(
-            node_id=self.node_id, store_name=self.name, num_blocks=len(self._blocks), nbytes=self._nbytes,
-            capacity_bytes=self.capacity_bytes, puts=self._puts, rejected_puts=self._rejected, hits=self._hits,
-            misses=self._misses, evictions=self._evictions, catalog_available=self._catalog.available,
-        )  # fmt: skip
+        available = self._catalog.available  # may try to reconnect: not while holding the lock
+        with self._lock:
+            return StoreStats(
+                node_id=self.node_id, store_name=self.name, num_blocks=len(self._blocks), nbytes=self._nbytes,
+                capacity_bytes=self.capacity_bytes, puts=self._puts, rejected_puts=self._rejected, hits=self._hits,
+                misses=self._misses, evictions=self._evictions, catalog_available=available,
+            )  # fmt: skip
 
 
 def get_or_create_store(
@@ -331,6 +360,7 @@ def get_or_create_store(
             get_if_exists=True,
             num_cpus=0,
             max_restarts=-1,
+            max_concurrency=STORE_CONCURRENCY,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
         .remote(dsn, representation_dim, capacity_bytes, catalog_options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -17,7 +18,7 @@ from rayapp.kvtier.catalog import BlockRow, Catalog, ChainMatch, TierUsage
 from rayapp.kvtier.codec import KVBlock, decode_block, encode_block
 from rayapp.kvtier.embedded import EmbeddedPostgres, _free_port, start_embedded_database, stop_embedded_database
 from rayapp.kvtier.loader import load_chain
-from rayapp.kvtier.store import KVTierStore, PutResult, get_or_create_store, store_name
+from rayapp.kvtier.store import STORE_CONCURRENCY, KVTierStore, PutResult, get_or_create_store, store_name
 
 DIM = 192  # the session catalog's representation size (tests/kvtier/conftest.py)
 # A small page (2 layers, 16 tokens, 3 KV heads, 64 dims, bf16) keeps the object store light.
@@ -102,6 +103,53 @@ def test_a_chain_loads_verified_from_the_stores(cluster, catalog, dsn):
     gone = ChainMatch(1, (dataclasses.replace(match.locations[0], store_name="rayapp-kvtier-store-gone"),))
     assert load_chain(gone, tokens, 16, ("m", "load")) == []
     ray.get(store.clear.remote())
+
+
+def test_a_replica_reads_while_another_puts_a_history(cluster, catalog, dsn):
+    @ray.remote(num_cpus=0)
+    class Gate:
+        """Holds a put inside its byte copy until the test opens it."""
+
+        def __init__(self) -> None:
+            self.entered, self.opened = asyncio.Event(), asyncio.Event()
+
+        async def enter(self) -> None:
+            self.entered.set()
+            await self.opened.wait()
+
+        async def wait_entered(self) -> None:
+            await self.entered.wait()
+
+        def open(self) -> None:
+            self.opened.set()
+
+    class SlowCopy(KVTierStore):
+        def __init__(self, gate, *args) -> None:
+            super().__init__(*args)
+            self.gate = gate
+
+        def _put_objects(self, arrays):
+            if len(arrays) > 1:  # the history, not the single block stored first
+                ray.get(self.gate.enter.remote())
+            return super()._put_objects(arrays)
+
+    gate = Gate.remote()
+    store = ray.remote(SlowCopy).options(num_cpus=0, max_concurrency=STORE_CONCURRENCY).remote(gate, dsn, DIM, 1 << 20)
+    held = encoded_chain(1, "held")
+    assert ray.get(store.put_many.remote(held)).kept == (True,)
+    pending = store.put_many.remote(encoded_chain(4, "history"))
+    ray.get(gate.wait_entered.remote(), timeout=60)
+    # The history's bytes are still being copied in: a read of another block is served meanwhile.
+    (ref,) = ray.get(store.get_many.remote(chain_hashes(1, "held")), timeout=60)
+    assert decode_block(ray.get(ref)).block_hash == chain_hashes(1, "held")[0]
+    assert ray.wait([pending], timeout=0)[1] == [pending]
+    assert catalog.longest_chain(chain_hashes(4, "history")).num_present == 0  # bytes first, rows after
+    ray.get(gate.open.remote())
+    assert ray.get(pending, timeout=60).kept == (True,) * 4
+    assert catalog.longest_chain(chain_hashes(4, "history")).num_present == 4
+    stats = ray.get(store.stats.remote())
+    assert (stats.num_blocks, stats.nbytes) == (5, sum(map(len, held + encoded_chain(4, "history"))))
+    ray.kill(store)
 
 
 @pytest.fixture
