@@ -27,6 +27,7 @@ ENGINE_COUNTERS = {
     "prompt_tokens": "Prompt tokens received",
     "cached_prompt_tokens": "Prompt tokens served from the prefix cache instead of computed",
     "tier_loaded_tokens": "Of the cached prompt tokens, those loaded from the cluster KV tier",
+    "tier_reloaded_tokens": "Tokens preempted sequences loaded back from the cluster KV tier instead of recomputing",
     "generation_tokens": "Tokens generated",
     "num_preemptions": "Sequences preempted (recomputed later) because KV pages ran out",
 }

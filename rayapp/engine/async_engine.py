@@ -17,7 +17,8 @@ from typing import Any
 
 from rayapp.config import EngineConfig
 from rayapp.engine.kv_events import BlockHash, KVEvent
-from rayapp.engine.llm_engine import LLMEngine
+from rayapp.engine.kv_transfer import TierPlan
+from rayapp.engine.llm_engine import LLMEngine, Request
 from rayapp.engine.outputs import RequestOutput
 from rayapp.engine.sampling_params import SamplingParams
 
@@ -33,6 +34,9 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
         self._stopped = False
+        # Preempted requests' tier fetches, off the engine thread (the step loop must not wait on the tier).
+        self._fetches = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rayapp-tier-refetch")
+        engine.fetch_parked = self._refetch
         self._thread = threading.Thread(target=self._run, name="rayapp-engine", daemon=True)
         self._thread.start()
 
@@ -132,11 +136,26 @@ class AsyncLLMEngine:
 
         self._submit(install_and_enqueue)
 
+    def _refetch(self, request: Request, plan: TierPlan) -> None:
+        """Engine thread: fetch a parked (preempted) request's blocks from the tier on a worker thread, then
+        hand it back to the engine with them."""
+
+        def fetch() -> None:
+            try:
+                blocks = self.engine.fetch_from_tier(request, plan)
+            except Exception:  # the tier is a cache: the request recomputes instead
+                logger.exception("fetching a preempted request's blocks from the cluster tier failed")
+                blocks = []
+            self._submit(lambda: self.engine.requeue(request, plan, blocks))
+
+        self._fetches.submit(fetch)
+
     def shutdown(self) -> None:
         """Stop the step loop; requests still running get an error."""
         self._stopped = True
         self._wakeup.set()
         self._thread.join()
+        self._fetches.shutdown(wait=False, cancel_futures=True)
 
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)
@@ -157,7 +176,7 @@ class AsyncLLMEngine:
         while not self._stopped:
             while not self._commands.empty():
                 self._commands.get()()
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_runnable_requests():  # parked requests come back through a command
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,12 @@ class Request:
     counted_cached: bool = False
     # Prompt tokens [start, end) whose pages were loaded from the cluster tier for this request.
     tier_tokens: tuple[int, int] = (0, 0)
+    # (preemptions, local blocks) when the tier was last asked for this preempted request's blocks.
+    tier_refetched: tuple[int, int] | None = None
+    # Blocks fetched back from the tier for this preempted request, until there is room to install them.
+    tier_fetched: tuple[TierPlan, list[TierBlock]] | None = None
+    # Tokens [start, end) a preempted request loaded back from the tier, until its readmission counts them.
+    tier_reloaded: tuple[int, int] | None = None
 
 
 class LLMEngine:
@@ -73,9 +80,16 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._counters = {"num_requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
         self._counters["tier_loaded_tokens"] = 0  # of the cached prompt tokens, those loaded from the cluster tier
+        self._counters["tier_reloaded_tokens"] = 0  # tokens preempted requests loaded back from the tier
         self._num_preemptions = 0
         # Set by `attach_tier`: the cluster KV tier, given by the caller (the engine does not import Ray).
         self.kv_transfer: KVTransfer | None = None
+        # Set by a driver that can fetch off the engine thread (`AsyncLLMEngine`): called with a preempted
+        # request the scheduler was about to readmit while the tier holds more of it than the local cache
+        # still does. The request is parked meanwhile; the driver hands it back with `requeue`. Unset (the
+        # offline `LLM`), preempted requests recompute what the local cache lost.
+        self.fetch_parked: Callable[[Request, TierPlan], None] | None = None
+        self.scheduler.park_before_admit = self._park_for_tier
 
     def use_sparse_config(self, sparse: SparseConfig) -> None:
         """Switch the sparse settings between requests (the engine must be idle).
@@ -199,6 +213,10 @@ class LLMEngine:
         return self._output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self.scheduler.parked)
+
+    def has_runnable_requests(self) -> bool:
+        """Whether `step` has work now (parked requests wait for their tier fetch)."""
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
@@ -229,6 +247,9 @@ class LLMEngine:
                 self._counters["cached_prompt_tokens"] += seq.num_cached_tokens
                 start, end = req.tier_tokens
                 self._counters["tier_loaded_tokens"] += max(0, min(end, seq.num_cached_tokens) - start)
+            if req.tier_reloaded is not None:  # readmitted after a reload: what its prefix match used
+                (start, end), req.tier_reloaded = req.tier_reloaded, None
+                self._counters["tier_reloaded_tokens"] += max(0, min(end, seq.num_cached_tokens) - start)
             if token is not None:
                 outputs.append(self._append(req, token))
         return outputs
@@ -310,7 +331,7 @@ class LLMEngine:
             **self._counters,
             "num_preemptions": self._num_preemptions,
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.parked),
             "pages_total": bm.num_pages,
             "pages_free": bm.num_free_pages,
             "pages_cached": bm.num_cached_pages,
@@ -336,6 +357,43 @@ class LLMEngine:
         """Engine thread, right before `enqueue`: put fetched blocks into cached pages the prefix match hits."""
         if self.kv_transfer is not None and plan is not None and blocks:
             request.tier_tokens = self.kv_transfer.install(request.seq, plan, blocks)
+
+    def requeue(self, request: Request, plan: TierPlan, blocks: list[TierBlock]) -> None:
+        """Engine thread: give a parked request back to the scheduler, at the front of the queue, with the
+        tier blocks fetched for it; they are installed once the pool has room to readmit it. A no-op for a
+        request that finished (was aborted) meanwhile."""
+        if request.seq.seq_id not in self.scheduler.parked:
+            return
+        request.tier_fetched = (plan, blocks) if blocks else None
+        self.scheduler.unpark(request.seq)
+
+    def _park_for_tier(self, seq: Sequence) -> bool:
+        """The scheduler's check before admitting `seq` (True: not now). A preempted sequence whose blocks the
+        local cache lost meanwhile is parked while the driver fetches them back from the tier, off the engine
+        thread; asked again only once the cache lost more of it, so a tier lacking them is not asked in a
+        loop. Fetched blocks wait, holding the queue, until the pool has room for the whole sequence: the
+        pages they are installed into must not be evicted before the admission that uses them."""
+        if self.fetch_parked is None or self.kv_transfer is None or seq.num_preemptions == 0:
+            return False
+        request = self._requests[seq.seq_id]
+        if request.tier_fetched is not None:
+            bm, (plan, blocks) = self.block_manager, request.tier_fetched
+            local = bm.match_prefix(seq)
+            reviving = sum(1 for pid in local.page_ids if bm.page_info(pid).ref_count == 0)
+            if bm.num_free_pages - reviving < -(-seq.num_tokens // bm.block_size) - len(local.page_ids):
+                return True
+            request.tier_fetched = None
+            request.tier_reloaded = self.kv_transfer.install(seq, plan, blocks)
+        plan = self.kv_transfer.plan(seq)
+        last = request.tier_refetched
+        if not plan.worth_asking:
+            return False
+        if last is not None and last[0] == seq.num_preemptions and plan.local_blocks >= last[1]:
+            return False  # asked since this preemption, and the cache has lost nothing more since
+        request.tier_refetched = (seq.num_preemptions, plan.local_blocks)
+        self.scheduler.park(seq)
+        self.fetch_parked(request, plan)
+        return True
 
     def load_from_tier(self, request: Request) -> None:
         """`plan_tier_load`, `fetch_from_tier` and `install_from_tier` in one go, for the engine's own thread."""

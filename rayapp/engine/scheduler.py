@@ -37,6 +37,8 @@ class Scheduler:
     decodes for more than one chunk), then waiting sequences are admitted in arrival order. When
     pages run out, the newest running sequence is preempted: its pages are freed (they stay in
     the prefix cache, so recomputing is mostly cache hits) and it goes back to the waiting front.
+    With a cluster tier, the engine may park such a sequence at its readmission (`park_before_admit`)
+    until the blocks the cache lost meanwhile are fetched back.
     """
 
     def __init__(
@@ -49,14 +51,30 @@ class Scheduler:
         self.block_manager = block_manager
         # Grows a compacted sequence (layer-wise compression), whose pages are not a token-ordered table.
         self.reserve_compacted = reserve_compacted
+        # Asked before the queue's front sequence is admitted: True when the engine parked it instead (to
+        # fetch blocks of it the local cache lost back from the cluster tier) or holds it back this step.
+        self.park_before_admit: Callable[[Sequence], bool] | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Preempted sequences taken out of `waiting` while their blocks are fetched back (`park`).
+        self.parked: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
+        """Whether a step has anything to schedule (parked sequences wait for `unpark`)."""
         return bool(self.waiting or self.running)
+
+    def park(self, seq: Sequence) -> None:
+        """Hold a preempted (waiting) sequence out of admission until `unpark`."""
+        self.waiting.remove(seq)
+        self.parked[seq.seq_id] = seq
+
+    def unpark(self, seq: Sequence) -> None:
+        """Put a parked sequence back at the front of the queue, where preemption left it."""
+        del self.parked[seq.seq_id]
+        self.waiting.appendleft(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -100,6 +118,10 @@ class Scheduler:
     def _admit(self, budget: int, chosen: dict[str, int]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self.park_before_admit is not None and self.park_before_admit(seq):
+                if self.waiting and self.waiting[0] is seq:
+                    break  # held back this step: nothing behind it jumps the queue
+                continue  # parked
             prefix = self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - prefix.num_tokens, budget)
             if not self.block_manager.allocate(seq, n, prefix):
@@ -121,7 +143,7 @@ class Scheduler:
         """End a sequence (done, stopped or aborted) and release its pages."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif self.parked.pop(seq.seq_id, None) is None and seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,112 @@
+"""A preempted request whose blocks the local cache lost while it waited loads them back from the cluster
+tier (an in-memory `TierPort` here) instead of recomputing them, and answers exactly as without preemption."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from rayapp import LLM, SamplingParams
+from rayapp.engine.async_engine import AsyncLLMEngine
+from rayapp.engine.kv_events import BlockHash, BlockStored
+from rayapp.engine.llm_engine import LLMEngine
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+# Two 160-token prompts (10 pages each) growing to 224 tokens (14 pages) in a 24-page pool: the second is
+# preempted, and the pages the first still needs evict the second's last blocks (freed first).
+PROMPTS = [list(range(1000 + 500 * i, 1160 + 500 * i)) for i in range(2)]
+
+
+@dataclass(frozen=True)
+class Block:
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+class MemoryTier:
+    """A `TierPort` that keeps every block written to it."""
+
+    min_load_tokens = 16
+
+    def __init__(self) -> None:
+        self.blocks: dict[BlockHash, Block] = {}
+        self.fetch_starts: list[int] = []  # the first block asked for, per fetch
+
+    def write(self, stored: BlockStored, cache_salt: str, key: torch.Tensor, value: torch.Tensor) -> None:
+        bs = stored.block_size
+        for i, h in enumerate(stored.block_hashes):
+            parent = stored.block_hashes[i - 1] if i else stored.parent_block_hash
+            tokens = tuple(stored.token_ids[i * bs : (i + 1) * bs])
+            self.blocks[h] = Block(h, parent, tokens, key[:, i].clone(), value[:, i].clone())
+
+    def fetch(self, block_hashes, token_ids, cache_salt, start_block) -> list[Block]:
+        self.fetch_starts.append(start_block)
+        found = []
+        for h in block_hashes[start_block:]:
+            if h not in self.blocks:
+                break
+            found.append(self.blocks[h])
+        return found if len(found) * 16 >= self.min_load_tokens else []
+
+    def take_events(self) -> list:
+        return []
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    llm = LLM(dtype="float32", num_pages=64)
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)]
+
+
+async def answer(engine: AsyncLLMEngine, request_id: str, prompt: list[int]) -> list[int]:
+    last = None
+    async for out in engine.generate(request_id, params=PARAMS, prompt_token_ids=prompt):
+        last = out
+    return last.outputs[0].token_ids
+
+
+def run_both(engine: LLMEngine) -> list[list[int]]:
+    async_engine = AsyncLLMEngine(engine)
+
+    async def both() -> list[list[int]]:
+        return list(await asyncio.gather(*(answer(async_engine, str(i), p) for i, p in enumerate(PROMPTS))))
+
+    try:
+        return asyncio.run(both())
+    finally:
+        async_engine.shutdown()
+
+
+def test_a_preempted_request_loads_its_lost_blocks_back_from_the_tier(reference):
+    engine = LLMEngine.from_options(dtype="float32", num_pages=24)
+    tier = MemoryTier()
+    engine.attach_tier(tier)
+    assert run_both(engine) == reference
+    stats = engine.stats()
+    assert stats["num_preemptions"] >= 1
+    # The blocks the running request evicted came back from the tier, not from recompute.
+    assert stats["tier_reloaded_tokens"] >= 16 and tier.fetch_starts
+    assert not engine.scheduler.parked and not engine.has_unfinished_requests()
+    engine.block_manager.check_invariants()
+
+
+def test_without_the_blocks_in_the_tier_it_recomputes_once_and_is_not_parked_again(reference):
+    engine = LLMEngine.from_options(dtype="float32", num_pages=24)
+    tier = MemoryTier()
+    engine.attach_tier(tier)
+    tier.write = lambda *args: None  # a tier that keeps nothing
+    assert run_both(engine) == reference
+    stats = engine.stats()
+    assert stats["num_preemptions"] == 1 and stats["tier_reloaded_tokens"] == 0
+    # Each new request asks once before it is queued; the preempted one asks again only after the cache
+    # lost more of it, never twice for the same local prefix.
+    new, refetches = tier.fetch_starts[: len(PROMPTS)], tier.fetch_starts[len(PROMPTS) :]
+    assert new == [0] * len(PROMPTS)
+    assert refetches and refetches == sorted(set(refetches), reverse=True)
+    assert not engine.scheduler.parked
