@@ -84,10 +84,9 @@ class LLMEngine:
         self._num_preemptions = 0
         # Set by `attach_tier`: the cluster KV tier, given by the caller (the engine does not import Ray).
         self.kv_transfer: KVTransfer | None = None
-        # Set by a driver that can fetch off the engine thread (`AsyncLLMEngine`): called with a preempted
-        # request the scheduler was about to readmit while the tier holds more of it than the local cache
-        # still does. The request is parked meanwhile; the driver hands it back with `requeue`. Unset (the
-        # offline `LLM`), preempted requests recompute what the local cache lost.
+        # Set by a driver that fetches off the engine thread (`AsyncLLMEngine`): called with a parked preempted
+        # request (`_park_for_tier`), which it hands back with `requeue`. Unset (the offline `LLM`), preempted
+        # requests recompute what the local cache lost.
         self.fetch_parked: Callable[[Request, TierPlan], None] | None = None
         self.scheduler.park_before_admit = self._park_for_tier
 
