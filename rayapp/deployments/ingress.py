@@ -8,6 +8,7 @@ after Serve rewrites the route methods' signatures.
 """
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import time
@@ -26,7 +27,8 @@ from ray.serve.handle import DeploymentHandle
 
 from rayapp.config import AppConfig
 from rayapp.deployments.metrics import metrics_hub, render_prometheus
-from rayapp.deployments.protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerateRequest, parse
+from rayapp.deployments.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
 from rayapp.engine.kv_events import hash_blocks
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
@@ -75,34 +77,33 @@ def _event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(last: dict[str, Any]) -> dict[str, Any]:
-    prompt, completion = last["prompt_tokens"], last["completion_tokens"]
+def _usage(usage: Usage) -> dict[str, Any]:
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": last["cached_tokens"]},
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 
-def _full_response(items: list[dict[str, Any]], kind: str, response_id: str, model: str) -> dict[str, Any]:
-    text, last = "".join(i["text"] for i in items), items[-1]
+def _full_response(items: list[GenerateDelta], kind: str, response_id: str, model: str) -> dict[str, Any]:
+    text, last = "".join(i.text for i in items), items[-1]
     if kind == "chat.completion":
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "finish_reason": last["finish_reason"],
+            "finish_reason": last.finish_reason,
             "logprobs": None,
         }
     else:
-        choice = {"index": 0, "text": text, "finish_reason": last["finish_reason"], "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}
     return {
         "id": response_id,
         "object": kind,
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
-        "usage": _usage(last),
+        "usage": _usage(last.usage),
     }
 
 
@@ -114,7 +115,7 @@ class _Generation:
     answer. (A sampled request continues with fresh randomness; a greedy one is unchanged.)
     """
 
-    def __init__(self, ingress: Any, request: GenerateRequest) -> None:
+    def __init__(self, ingress: Any, request: EngineRequest) -> None:
         self.ingress, self.request = ingress, request
         self.generated: list[int] = []
         self.failures = 0
@@ -122,37 +123,41 @@ class _Generation:
         ingress.inflight += 1
         self.stream = ingress.replica.options(stream=True).generate.remote(request)
 
-    async def next(self) -> dict[str, Any]:
-        """The next item, with usage counted over the whole request; an engine rejection becomes a 400."""
+    async def next(self) -> GenerateDelta:
+        """The next delta, with usage counted over the whole request; an engine rejection becomes a 400."""
         while True:
             try:
-                item = await self.stream.__anext__()
+                item: GenerateDelta = await self.stream.__anext__()
             except RayTaskError as error:
                 if isinstance(error.cause, ValueError):
                     raise APIError(400, str(error.cause)) from None
-                raise
-            except RayActorError:
-                self.failures += 1
-                if self.failures > MAX_REPLICA_FAILURES:
+                if not isinstance(error.cause, EngineDeadError):
                     raise
-                self.ingress.moved_requests += 1
-                self.stream = self.ingress.replica.options(stream=True).generate.remote(self._continuation())
+                self._move()  # the replica lives but its engine died: Serve replaces it, the request moves
                 continue
-            self.generated.extend(item.pop("token_ids"))
-            if "finish_reason" in item:
+            except RayActorError:
+                self._move()
+                continue
+            self.generated.extend(item.token_ids)
+            if item.usage is not None:
                 prompt_tokens = len(self.request.prompt_token_ids)
-                item.update(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=len(self.generated),
-                    cached_tokens=min(item["cached_tokens"], prompt_tokens),
-                )
+                usage = Usage(prompt_tokens, len(self.generated), min(item.usage.cached_tokens, prompt_tokens))
+                item = dataclasses.replace(item, usage=usage)
             return item
 
-    def _continuation(self) -> GenerateRequest:
+    def _move(self) -> None:
+        """Continue on another replica after this one failed (at most MAX_REPLICA_FAILURES times)."""
+        self.failures += 1
+        if self.failures > MAX_REPLICA_FAILURES:
+            raise RuntimeError(f"the request failed on {self.failures} replicas")
+        self.ingress.moved_requests += 1
+        self.stream = self.ingress.replica.options(stream=True).generate.remote(self._continuation())
+
+    def _continuation(self) -> EngineRequest:
         """The rest of the request: the prompt plus what was generated, asking for what is left."""
-        sampling = dict(self.request.sampling)
-        if sampling["max_tokens"] is not None:
-            sampling["max_tokens"] = max(1, sampling["max_tokens"] - len(self.generated))
+        sampling = self.request.sampling
+        if sampling.max_tokens is not None:
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, sampling.max_tokens - len(self.generated)))
         ids = self.request.prompt_token_ids + self.generated
         return self.ingress.generate_request(ids, self.request.cache_salt, sampling, self.request.prompt)
 
@@ -182,7 +187,8 @@ class OpenAIIngress:
         self.served_name = self.config.served_model_name or (
             DEFAULT_MODEL if self.config.model is None else Path(self.config.model).name
         )
-        self.max_model_len = self.config.max_model_len or spec.max_position_embeddings
+        self.max_model_len = self.config.context_length(spec.max_position_embeddings)
+        self.block_size = self.config.kv_block_size()
         self.replica = replica
         self.inflight = 0
         # Requests moved to another replica because theirs died.
@@ -281,7 +287,6 @@ class OpenAIIngress:
             )
         try:
             sampling = body.sampling(max_tokens)
-            SamplingParams(**sampling)
         except ValueError as error:
             raise APIError(400, str(error)) from None
         if self.inflight >= self.config.max_queued_requests:
@@ -308,27 +313,27 @@ class OpenAIIngress:
             return StreamingResponse(sse, media_type="text/event-stream")
         try:
             items = [first]
-            while "finish_reason" not in items[-1]:
+            while not items[-1].finished:
                 items.append(await generation.next())
         finally:
             generation.release(cancel=False)
         return JSONResponse(_full_response(items, kind, response_id, self.served_name))
 
     def generate_request(
-        self, ids: list[int], salt: str, sampling: dict[str, Any], prompt: str | list[Any]
-    ) -> GenerateRequest:
+        self, ids: list[int], salt: str, sampling: SamplingParams, prompt: str | list[Any]
+    ) -> EngineRequest:
         """What a replica is sent, with the prompt's block hashes computed as the replicas compute them."""
-        return GenerateRequest(
+        return EngineRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=ids,
-            block_hashes=hash_blocks(ids, self.config.block_size, (self.model_id, salt)),
+            block_hashes=hash_blocks(ids, self.block_size, (self.model_id, salt)),
             cache_salt=salt,
             sampling=sampling,
             prompt=prompt,
         )
 
     async def _sse(
-        self, generation: _Generation, first: dict[str, Any], body: Any, kind: str, response_id: str
+        self, generation: _Generation, first: GenerateDelta, body: Any, kind: str, response_id: str
     ) -> AsyncIterator[str]:
         created = int(time.time())
         chat = kind == "chat.completion"
@@ -352,9 +357,9 @@ class OpenAIIngress:
                 yield chunk(None, None, role=True)
             item = first
             while True:
-                if item["text"] or "finish_reason" in item:
-                    yield chunk(item["text"], item.get("finish_reason"))
-                if "finish_reason" in item:
+                if item.text or item.finished:
+                    yield chunk(item.text, item.finish_reason)
+                if item.finished:
                     finished = True
                     if body.include_usage:
                         yield _event(
@@ -364,7 +369,7 @@ class OpenAIIngress:
                                 "created": created,
                                 "model": self.served_name,
                                 "choices": [],
-                                "usage": _usage(item),
+                                "usage": _usage(item.usage),
                             }
                         )
                     break

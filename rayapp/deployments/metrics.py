@@ -30,6 +30,7 @@ ENGINE_COUNTERS = {
     "tier_reloaded_tokens": "Tokens preempted sequences loaded back from the cluster KV tier instead of recomputing",
     "generation_tokens": "Tokens generated",
     "num_preemptions": "Sequences preempted (recomputed later) because KV pages ran out",
+    "kv_events_lost_batches": "vLLM KV event batches the router's feed missed (the replica's entries were dropped)",
 }
 # Only with sparse attention on (`sparse.enabled`): its engine reports these too.
 SPARSE_COUNTERS = {

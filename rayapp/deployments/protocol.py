@@ -2,30 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """What the ingress sends a replica (`LLMReplica.generate`), tokenized and hashed once.
-
-    Request routers read it before it leaves the ingress: rayapp's `PrefixAwareRouter` reads
-    `block_hashes` and `prompt_token_ids`; text-trie routers (Ray Serve LLM's
-    `PrefixCacheAffinityRouter`) read `prompt`.
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    # The hash chain of the prompt's full blocks, salted by tenant (equal to the replica's own).
-    block_hashes: list[int]
-    cache_salt: str
-    # SamplingParams fields.
-    sampling: dict[str, Any]
-    # What the client sent: the prompt text (or token ids), or the chat messages.
-    prompt: str | list[int] | list[dict[str, str]]
+from rayapp.engine.sampling_params import SamplingParams
 
 
 class APIError(Exception):
@@ -63,18 +44,17 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
     ignore_eos: bool = False
 
-    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        """SamplingParams fields of this request."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_tokens": max_tokens,
-            "stop": stop,
-            "seed": self.seed,
-            "ignore_eos": self.ignore_eos,
-        }
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        """This request's SamplingParams; ValueError names a bad field."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=max_tokens,
+            stop=self.stop or (),
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
 
     @property
     def include_usage(self) -> bool:

@@ -13,10 +13,9 @@ from typing import Any
 from ray import serve
 
 from rayapp.config import AppConfig
+from rayapp.deployments.engines import backend_class
 from rayapp.deployments.metrics import PUSH_PERIOD_S, ReplicaMetrics, metrics_hub
-from rayapp.deployments.protocol import GenerateRequest
-from rayapp.engine.async_engine import AsyncLLMEngine
-from rayapp.engine.sampling_params import SamplingParams
+from rayapp.engine.backend import EngineRequest, GenerateDelta
 from rayapp.prefix_router.actor import prefix_index
 from rayapp.prefix_router.publisher import KVEventPublisher
 
@@ -24,25 +23,18 @@ logger = logging.getLogger(__name__)
 
 
 class LLMReplica:
-    """Serve deployment body (decorated in the builder, so tests can bind a fake engine class).
+    """Serve deployment body (decorated in the builder, so tests can bind a fake backend class).
 
-    The engine's step loop runs on its own thread (`AsyncLLMEngine`), so this replica's event
-    loop stays free to accept requests and stream outputs while the model computes.
+    The engine computes off this replica's event loop (rayapp's on its own thread, vLLM's in its
+    engine-core process), so the loop stays free to accept requests and stream outputs.
     """
 
-    def __init__(self, app_config: dict[str, Any], engine_cls: type = AsyncLLMEngine) -> None:
+    def __init__(self, app_config: dict[str, Any], backend_cls: type | None = None) -> None:
         self.config = AppConfig(**app_config)
-        self.engine = engine_cls.from_config(self.config.engine_config())
-        self.tier: Any = None
-        if self.config.kvtier.enabled:
-            from rayapp.kvtier.client import attach_tier  # psycopg and the tier only where the tier is on
-
-            try:
-                self.tier = attach_tier(self.engine.engine)
-            except Exception as error:  # no database, no store: serve without the tier rather than not at all
-                logger.warning("cluster KV tier unavailable (%s); serving without it", error)
         context = serve.get_replica_context()
         self.app_name, self.replica = context.app_name, context.replica_id.unique_id
+        backend_cls = backend_cls or backend_class(self.config)
+        self.engine = backend_cls.from_app_config(self.config)
         self.metrics = ReplicaMetrics(self.replica)
         self._hub = metrics_hub(self.app_name)
         self._index = prefix_index(self.app_name, self.config.router)
@@ -57,60 +49,45 @@ class LLMReplica:
         loop = asyncio.get_event_loop()
         self._tasks = [loop.create_task(self._push_metrics()), loop.create_task(publisher.run())]
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        """Stream one request: each item carries the new text and token ids; the last one the finish
-        reason and usage. A ValueError (bad request) propagates to the ingress, which answers 400.
-        """
-        params = SamplingParams(**request.sampling)
+    async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
+        """Stream one request as deltas; the last carries the finish reason and usage. A ValueError (bad
+        request) propagates to the ingress, which answers 400; an EngineDeadError moves the request."""
         start = last = time.monotonic()
         first = True
-        stream = self.engine.generate(
-            request.request_id,
-            params=params,
-            prompt_token_ids=request.prompt_token_ids,
-            cache_salt=request.cache_salt,
-            block_hashes=request.block_hashes,
-        )
-        async for out in stream:
+        async for delta in self.engine.generate(request):
             now = time.monotonic()
-            completion = out.outputs[0]
-            if completion.delta_token_ids:
+            if delta.token_ids:
                 if first:
                     self.metrics.first_token(now - start)
                 else:
                     self.metrics.next_token(now - last)
                 first, last = False, now
-            item: dict[str, Any] = {"text": completion.delta_text, "token_ids": completion.delta_token_ids}
-            if out.finished:
-                self.metrics.finished(completion.finish_reason)
-                item.update(
-                    finish_reason=completion.finish_reason,
-                    prompt_tokens=len(out.prompt_token_ids),
-                    cached_tokens=out.num_cached_tokens,
-                    completion_tokens=len(completion.token_ids),
-                )
-            yield item
+            if delta.finished:
+                self.metrics.finished(delta.finish_reason)
+            yield delta
 
-    async def stats(self) -> dict[str, int]:
-        return self.engine.stats()
+    async def stats(self) -> dict[str, float]:
+        return await self.engine.stats()
+
+    async def check_health(self) -> None:
+        """Serve's periodic probe: a replica whose engine died fails it and is replaced."""
+        await self.engine.check_health()
 
     async def flush_tier(self) -> None:
         """Return once every block this replica queued for the cluster KV tier is written (no-op without one)."""
-        if self.tier is not None:
-            await asyncio.to_thread(self.tier.flush)
+        await self.engine.flush_tier()
 
     async def _push_metrics(self) -> None:
         while True:
             with contextlib.suppress(Exception):  # metrics must never take a replica down
-                await self._hub.push.remote(self.replica, self.metrics.snapshot(self.engine.stats()))
+                stats = await self.engine.stats()
+                await self._hub.push.remote(self.replica, self.metrics.snapshot(stats))
             await asyncio.sleep(PUSH_PERIOD_S)
 
     def __del__(self) -> None:
-        # Serve calls this on graceful shutdown: stop the engine thread, take our numbers and pages down.
+        # Serve calls this on graceful shutdown: stop the engine, take our numbers and pages down.
         for task in self._tasks:
             task.cancel()
         self._hub.remove.remote(self.replica)
         self._index.remove_replica.remote(self.replica)
         self.engine.shutdown()
-        if self.tier is not None:
-            self.tier.close()

@@ -150,6 +150,10 @@ class AsyncLLMEngine:
 
         self._fetches.submit(fetch)
 
+    def is_running(self) -> bool:
+        """Whether the step loop still runs (it ends only at `shutdown`)."""
+        return self._thread.is_alive()
+
     def shutdown(self) -> None:
         """Stop the step loop; requests still running get an error."""
         self._stopped = True

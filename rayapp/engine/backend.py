@@ -1,0 +1,97 @@
+"""The engine interface `LLMReplica` serves: one protocol, implemented by rayapp's engine and by vLLM.
+
+A backend streams each request as typed deltas, aborts requests, reports stats under rayapp's
+metric names, and reports its prefix cache as rayapp KV events (block hashes chained the way the
+ingress hashes a prompt, so the prefix router can match them). `rayapp.deployments.engines`
+builds the rayapp one; `rayapp.vllm_ext.engine` the vLLM one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rayapp.engine.kv_events import BlockHash, KVEvent
+from rayapp.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as a backend receives it: tokenized and hashed once, by the ingress.
+
+    Request routers read it before it leaves the ingress: rayapp's `PrefixAwareRouter` reads
+    `block_hashes` and `prompt_token_ids`; text-trie routers (Ray Serve LLM's
+    `PrefixCacheAffinityRouter`) read `prompt`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # The hash chain of the prompt's full blocks, salted by tenant (equal to the replica's own).
+    block_hashes: list[BlockHash]
+    # Derived from the tenant (a hash, never the API key itself): tenants never share KV pages.
+    cache_salt: str
+    sampling: SamplingParams
+    # What the client sent: the prompt text (or token ids), or the chat messages.
+    prompt: str | list[int] | list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    # Prompt tokens whose KV came from a cache (the engine's own count) instead of being computed.
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerateDelta:
+    """What a request produced since the previous delta; the last one carries the finish reason and usage."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineDeadError(RuntimeError):
+    """The replica's engine stopped working: its requests must move to another replica, and the replica be replaced."""
+
+
+class EngineBackend(Protocol):
+    """What `LLMReplica` needs of an engine. Bad input raises ValueError (the ingress answers 400)."""
+
+    # Tokens per KV page: the block size of the hashes in `EngineRequest.block_hashes` and in the KV events.
+    block_size: int
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
+        """Stream one request until it finishes; leaving the iterator early aborts it and frees its pages."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def stats(self) -> dict[str, float]:
+        """Counters and gauges named as on `/metrics` (`prompt_tokens`, `num_running`, `pages_free`, ...)."""
+        ...
+
+    async def take_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's changes since the last call (or the last snapshot)."""
+        ...
+
+    async def kv_snapshot(self) -> list[KVEvent]:
+        """`AllCleared` and a `BlockStored` per block the backend knows it holds; drops the pending events."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError when the engine can no longer serve."""
+        ...
+
+    async def flush_tier(self) -> None:
+        """Return once every block queued for the cluster KV tier is written (at once without a tier)."""
+        ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,207 @@
+"""`engine: vllm`: a replica backend over vLLM's `AsyncLLM`, fed token ids by rayapp's ingress.
+
+The ingress templates and tokenizes once; this backend hands vLLM the token ids (never the text)
+with the tenant's salt as `cache_salt`, streams vLLM's deltas, and reports vLLM's own counts:
+cached prompt tokens per request, running and waiting requests and KV usage from vLLM's stat
+logger interface. The prefix router is fed from vLLM's ZMQ KV events (`VLLMKVEvents`), published
+on an IPC endpoint of this replica's own, so replicas on one node never collide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.config import KVEventsConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from rayapp.config import AppConfig
+from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
+from rayapp.engine.kv_events import KVEvent
+from rayapp.engine.sampling_params import SamplingParams
+from rayapp.models.loader import DEFAULT_MODEL, resolve_model
+from rayapp.vllm_ext.kv_events import VLLMKVEvents
+
+logger = logging.getLogger(__name__)
+
+# AppConfig fields that map onto AsyncEngineArgs when the user set them (otherwise vLLM's defaults hold).
+_SHARED_FIELDS = {
+    "dtype": "dtype",
+    "max_model_len": "max_model_len",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "num_pages": "num_gpu_blocks_override",
+}
+# Batches vLLM keeps for a subscriber that missed some (one batch per engine step with cache changes).
+REPLAY_BUFFER_STEPS = 10_000
+
+
+def engine_kwargs(config: AppConfig) -> dict[str, Any]:
+    """AsyncEngineArgs fields of `config` (the model and KV events aside): `engine_kwargs` plus the
+    AppConfig fields the user set, with the page size the ingress hashes with."""
+    kwargs = dict(config.engine_kwargs)
+    kwargs["block_size"] = config.kv_block_size()
+    for field, key in _SHARED_FIELDS.items():
+        if field in config.model_fields_set:
+            kwargs[key] = getattr(config, field)
+    on_cpu = config.device.split(":")[0] == "cpu"
+    sized = {"kv_cache_memory_bytes", "num_gpu_blocks_override"} & kwargs.keys()
+    if not sized and (on_cpu or "kv_cache_memory_gb" in config.model_fields_set):
+        # On CPU vLLM would otherwise size the cache from the free memory of the whole host.
+        kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gb * 2**30)
+    # rayapp's stat logger below feeds /metrics; vLLM's own periodic log lines stay off unless asked for.
+    kwargs.setdefault("disable_log_stats", True)
+    return kwargs
+
+
+def engine_args(config: AppConfig, model: str = "", kv_events: KVEventsConfig | None = None) -> AsyncEngineArgs:
+    """vLLM's engine args for `config`; a field AsyncEngineArgs does not have is a ValueError naming it."""
+    try:
+        return AsyncEngineArgs(model=model, kv_events_config=kv_events, **engine_kwargs(config))
+    except TypeError as error:
+        raise ValueError(f"engine_kwargs: {error} (see vLLM's AsyncEngineArgs for the fields)") from None
+
+
+def check_config(config: AppConfig) -> None:
+    """Fail early (when the application is built) on engine_kwargs vLLM does not know."""
+    engine_args(config)
+
+
+class _EngineStats:
+    """vLLM's numbers under rayapp's metric names."""
+
+    def __init__(self) -> None:
+        self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0}
+        self.num_running = self.num_waiting = 0
+        self.kv_usage = 0.0
+
+
+class _StatLogger(StatLoggerBase):
+    """vLLM's stat logger interface, called on AsyncLLM's output loop: copies its numbers into `_EngineStats`."""
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0, *, stats: _EngineStats) -> None:
+        self.stats = stats
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0):
+        if scheduler_stats is not None:
+            self.stats.num_running = scheduler_stats.num_running_reqs
+            self.stats.num_waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+            self.stats.kv_usage = scheduler_stats.kv_cache_usage
+        if iteration_stats is not None:
+            self.stats.counters["generation_tokens"] += iteration_stats.num_generation_tokens
+            self.stats.counters["num_preemptions"] += iteration_stats.num_preempted_reqs
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+def _sampling(params: SamplingParams) -> VLLMSamplingParams:
+    return VLLMSamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+class VLLMBackend:
+    """One vLLM engine (`AsyncLLM`, its engine core in a child process) behind rayapp's backend interface."""
+
+    def __init__(self, engine: AsyncLLM, events: VLLMKVEvents, stats: _EngineStats, block_size: int) -> None:
+        self.engine, self.events, self._stats, self.block_size = engine, events, stats, block_size
+
+    @classmethod
+    def from_app_config(cls, config: AppConfig) -> VLLMBackend:
+        if config.kvtier.enabled:
+            logger.warning("kvtier is not supported on engine: vllm yet; this replica serves without the cluster tier")
+        # An IPC endpoint per replica: unique on the node without picking ports.
+        base = Path(tempfile.gettempdir()) / f"rayapp-kv-{uuid.uuid4().hex[:12]}"
+        kv_events = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"ipc://{base}.pub",
+            replay_endpoint=f"ipc://{base}.replay",
+            buffer_steps=REPLAY_BUFFER_STEPS,
+        )
+        args = engine_args(config, str(resolve_model(config.model)), kv_events)
+        stats = _EngineStats()
+        engine = AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_StatLogger, stats=stats)])
+        block_size = config.kv_block_size()
+        events = VLLMKVEvents(kv_events.endpoint, kv_events.replay_endpoint, config.model or DEFAULT_MODEL, block_size)
+        return cls(engine, events, stats, block_size)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt
+        prompt_tokens = len(request.prompt_token_ids)
+        generated = 0
+        try:
+            stream = self.engine.generate(prompt, _sampling(request.sampling), request.request_id)
+            # Closing the stream (the client left) makes vLLM abort the request and free its pages.
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    completion = out.outputs[0]
+                    generated += len(completion.token_ids)
+                    usage = None
+                    if out.finished:
+                        cached = out.num_cached_tokens or 0
+                        self._stats.counters["prompt_tokens"] += prompt_tokens
+                        self._stats.counters["cached_prompt_tokens"] += cached
+                        usage = Usage(prompt_tokens, generated, cached)
+                    reason = completion.finish_reason if out.finished else None
+                    yield GenerateDelta(completion.text, list(completion.token_ids), reason, usage)
+        except VLLMEngineDeadError as error:
+            raise EngineDeadError(f"vLLM's engine core died: {error}") from None
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def stats(self) -> dict[str, float]:
+        total = self.engine.vllm_config.cache_config.num_gpu_blocks or 0
+        return {
+            **self._stats.counters,
+            "num_running": self._stats.num_running,
+            "num_waiting": self._stats.num_waiting,
+            "pages_total": total,
+            "pages_free": total - round(self._stats.kv_usage * total),
+            "page_size": self.block_size,
+            "kv_events_lost_batches": self.events.lost_batches,
+        }
+
+    async def take_kv_events(self) -> list[KVEvent]:
+        return self.events.take()
+
+    async def kv_snapshot(self) -> list[KVEvent]:
+        return self.events.snapshot()
+
+    async def check_health(self) -> None:
+        try:
+            await self.engine.check_health()
+        except VLLMEngineDeadError as error:
+            raise EngineDeadError(f"vLLM's engine core died: {error}") from None
+
+    async def flush_tier(self) -> None:
+        """No cluster tier on vLLM replicas yet: nothing is ever queued."""
+
+    def shutdown(self) -> None:
+        self.events.close()
+        self.engine.shutdown()
