@@ -1,5 +1,6 @@
 """Two replicas behind the PrefixAwareRouter, on this machine: turns land where their prefix is, and a
-replica killed mid-run costs no request.
+replica killed mid-run costs no request. Once with rayapp's engine, once with vLLM's (where vLLM is
+installed), whose KV events feed the router through `rayapp.vllm_ext.kv_events`.
 
 Routing is judged by what the engines deliver (`usage.prompt_tokens_details.cached_tokens`), not
 by what the router claims.
@@ -8,6 +9,7 @@ by what the router claims.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import re
 import time
 
@@ -19,14 +21,29 @@ from rayapp.config import AppConfig
 from rayapp.prefix_router.actor import prefix_index
 
 MODEL = "SmolLM2-135M-Instruct"
-CONFIG = AppConfig(dtype="bfloat16", replicas=2, num_cpus=0.5, kv_cache_memory_gb=0.25, max_num_seqs=16)
+SETTINGS = {"dtype": "bfloat16", "replicas": 2, "num_cpus": 0.5, "kv_cache_memory_gb": 0.25, "max_num_seqs": 16}
+CONFIGS = {
+    "rayapp": AppConfig(**SETTINGS),
+    "vllm": AppConfig(engine="vllm", engine_kwargs={"enforce_eager": True}, **SETTINGS),
+}
+ENGINES = [
+    "rayapp",
+    pytest.param(
+        "vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+    ),
+]
 SYSTEM = {"role": "system", "content": "You are a concise assistant. Answer in one short sentence."}
 TOPICS = ["rivers", "volcanoes", "bridges", "owls", "glaciers", "violins"]
 
 
+@pytest.fixture(scope="module", params=ENGINES)
+def config(request) -> AppConfig:
+    return CONFIGS[request.param]
+
+
 @pytest.fixture(scope="module")
-def base_url(serve_app):
-    with serve_app(CONFIG) as url:
+def base_url(serve_app, config):
+    with serve_app(config) as url:
         yield url
 
 
@@ -83,7 +100,7 @@ def _replica_actors() -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "LLMReplica" in a["name"]]
 
 
-def test_each_turn_lands_on_the_replica_holding_its_conversation(base_url):
+def test_each_turn_lands_on_the_replica_holding_its_conversation(base_url, config):
     async def run():
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
             return await asyncio.gather(*(_conversation(client, t, 5, False, 8) for t in TOPICS))
@@ -92,7 +109,8 @@ def test_each_turn_lands_on_the_replica_holding_its_conversation(base_url):
     later_turns = [turn for conversation in conversations for turn in conversation[1:]]
     # Routed to the holder, a turn finds at least the previous turn's whole prompt cached (its full
     # blocks); elsewhere it would find only the shared system prompt's blocks.
-    hits = [cached >= previous - previous % 16 for previous, cached in later_turns]
+    block = config.kv_block_size()
+    hits = [cached >= previous - previous % block for previous, cached in later_turns]
     assert sum(hits) >= 0.95 * len(hits), later_turns
     metrics = httpx.get(f"{base_url}/metrics").text
     assert 'rayapp_router_decisions_total{reason="overlap"}' in metrics
@@ -121,7 +139,7 @@ def _decided(base_url: str, before: dict[str, float]) -> dict[str, float]:
         time.sleep(0.1)
 
 
-def test_tenants_share_no_pages_and_are_not_routed_by_each_others_prompts(base_url):
+def test_tenants_share_no_pages_and_are_not_routed_by_each_others_prompts(base_url, config):
     messages = [SYSTEM, _opening("lighthouses")]
     body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
     with httpx.Client(base_url=base_url, timeout=300) as client:
@@ -137,7 +155,8 @@ def test_tenants_share_no_pages_and_are_not_routed_by_each_others_prompts(base_u
         assert _decided(base_url, before) == {"overlap": 1}
     assert bob["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     prompt = alice["usage"]["prompt_tokens"]
-    assert alice_again["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // 16 * 16
+    block = config.kv_block_size()
+    assert alice_again["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // block * block
 
 
 async def _busy_replica(client: httpx.AsyncClient, running: int) -> str:
@@ -152,8 +171,8 @@ async def _busy_replica(client: httpx.AsyncClient, running: int) -> str:
         await asyncio.sleep(0.1)
 
 
-def test_killed_replica_costs_no_request_and_leaves_the_index(base_url):
-    index = prefix_index("rayapp", CONFIG.router)
+def test_killed_replica_costs_no_request_and_leaves_the_index(base_url, config):
+    index = prefix_index("rayapp", config.router)
     victim_id = ""
 
     async def run():
@@ -177,8 +196,8 @@ def test_killed_replica_costs_no_request_and_leaves_the_index(base_url):
         time.sleep(0.2)
 
 
-def test_a_restarted_index_is_rebuilt_from_replica_snapshots(base_url):
-    index = prefix_index("rayapp", CONFIG.router)
+def test_a_restarted_index_is_rebuilt_from_replica_snapshots(base_url, config):
+    index = prefix_index("rayapp", config.router)
     ray.kill(index, no_restart=False)
     deadline = time.monotonic() + 120
     # Replicas see their next batch refused (or failing) and resend everything they cache.

@@ -1,12 +1,16 @@
 """The real Serve app on this machine, spoken to by the official `openai` client and raw HTTP.
 
-One application for the whole module (started with `serve.run` of the same builder that
-`rayapp.config.yaml` names), with an API key configured so authentication is exercised too.
+One application per engine (`engine: rayapp`, then `engine: vllm` where vLLM is installed), each
+started with `serve.run` of the same builder that `rayapp.config.yaml` names, with an API key
+configured so authentication is exercised too. Each engine's answers are checked against a
+reference we did not write for it: rayapp's offline `LLM` (itself checked token for token against
+transformers), and `vllm.LLM` offline on the same token ids.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 import time
@@ -17,15 +21,37 @@ import pytest
 
 from rayapp import LLM, SamplingParams
 from rayapp.config import AppConfig
+from rayapp.models.tokenizer import chat_token_ids
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
-CONFIG = AppConfig(dtype="float32", api_keys=[KEY], max_queued_requests=40, kv_cache_memory_gb=0.5)
+CONFIGS = {
+    "rayapp": AppConfig(dtype="float32", api_keys=[KEY], max_queued_requests=40, kv_cache_memory_gb=0.5),
+    "vllm": AppConfig(
+        engine="vllm",
+        dtype="float32",
+        api_keys=[KEY],
+        max_queued_requests=40,
+        kv_cache_memory_gb=0.5,
+        engine_kwargs={"enforce_eager": True},
+    ),
+}
+ENGINES = [
+    "rayapp",
+    pytest.param(
+        "vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def config(request) -> AppConfig:
+    return CONFIGS[request.param]
 
 
 @pytest.fixture(scope="module")
-def base_url(serve_app):
-    with serve_app(CONFIG) as url:
+def base_url(serve_app, config):
+    with serve_app(config) as url:
         yield url
 
 
@@ -35,8 +61,30 @@ def client(base_url):
 
 
 @pytest.fixture(scope="module")
-def offline():
-    return LLM(dtype="float32", kv_cache_memory_gb=0.5)
+def offline(config, model_dir, tokenizer):
+    """`offline(messages, max_tokens)`: the reference greedy answer of the engine under test."""
+    if config.engine == "rayapp":
+        llm = LLM(dtype="float32", kv_cache_memory_gb=0.5)
+        yield lambda messages, n: llm.chat(messages, SamplingParams(temperature=0, max_tokens=n))[0].outputs[0].text
+        return
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    reference = vllm.LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        block_size=config.kv_block_size(),
+        kv_cache_memory_bytes=1 << 29,
+    )
+
+    def answer(messages, n):
+        prompt = TokensPrompt(prompt_token_ids=chat_token_ids(tokenizer, messages))
+        params = vllm.SamplingParams(temperature=0, max_tokens=n)
+        return reference.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+
+    yield answer
+    reference.llm_engine.engine_core.shutdown()
 
 
 def _metric(base_url: str, name: str) -> float:
@@ -64,7 +112,15 @@ def _error(response: httpx.Response, status: int) -> dict:
     return error
 
 
-QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+# Longer than two of vLLM's 128-token pages, so repeating it hits the prefix cache on either engine.
+SYSTEM = {
+    "role": "system",
+    "content": "You are a geography tutor. "
+    + " ".join(
+        f"Rule {i}: answer briefly, name the country, and never guess a number you do not know." for i in range(20)
+    ),
+}
+QUESTION = [SYSTEM, {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
 def test_health_models_and_metrics_answer(base_url, client):
@@ -73,10 +129,17 @@ def test_health_models_and_metrics_answer(base_url, client):
     assert _metric(base_url, "rayapp_pages_total") > 0
 
 
-def test_chat_answer_equals_offline_greedy_answer(client, offline):
-    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=32)
-    expected = offline.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text
-    assert reply.choices[0].message.content == expected
+@pytest.mark.parametrize(
+    "messages",
+    [
+        QUESTION,
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+        [{"role": "user", "content": "List three rivers of Africa, one per line."}],
+    ],
+)
+def test_chat_answer_equals_the_engines_offline_greedy_answer(client, offline, messages):
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
+    assert reply.choices[0].message.content == offline(messages, 32)
     assert reply.usage.completion_tokens > 0 and reply.usage.prompt_tokens > 0
 
 
@@ -91,23 +154,22 @@ def test_streamed_chat_joins_to_the_same_answer_with_usage_last(client, offline)
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    expected = offline.chat(QUESTION, SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].text
-    assert text == expected
+    assert text == offline(QUESTION, 32)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the question was asked before
 
 
-def test_second_turn_reuses_the_first_turns_pages(client, offline):
-    messages = [{"role": "user", "content": "Name a large river in Europe."}]
+def test_second_turn_reuses_the_first_turns_pages(client, offline, config):
+    messages = [SYSTEM, {"role": "user", "content": "Name a large river in Europe."}]
     first = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
     messages += [
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "How long is it?"},
     ]
     second = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
-    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
-    expected = offline.chat(messages, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].text
-    assert second.choices[0].message.content == expected
+    # Every full page of the first turn's prompt (a block size short of all of it, at most) is reused.
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - config.kv_block_size()
+    assert second.choices[0].message.content == offline(messages, 24)
 
 
 def test_completions_endpoint(base_url, client):
@@ -203,8 +265,11 @@ def test_client_that_disconnects_mid_stream_frees_its_pages(base_url):
                 break  # leave mid-stream: the connection closes here
     # The replica publishes its page counts twice a second; give it a bounded while.
     deadline = time.monotonic() + 30
-    while _metric(base_url, "rayapp_pages_free") != _metric(base_url, "rayapp_pages_total"):
-        assert time.monotonic() < deadline, "pages were not freed after the client left"
+    while (
+        _metric(base_url, "rayapp_pages_free") != _metric(base_url, "rayapp_pages_total")
+        or _metric(base_url, "rayapp_num_running") != 0
+    ):
+        assert time.monotonic() < deadline, "the request was not aborted and its pages freed after the client left"
         time.sleep(0.25)
     assert _metric(base_url, "rayapp_requests_total") > 0
 
@@ -224,3 +289,34 @@ def test_metrics_cover_the_required_series(base_url):
     ):
         assert re.search(rf"^{name}{{.*replica=|^{name}{{.*status=", text, re.M), name
     assert _metric(base_url, "rayapp_cached_prompt_tokens_total") > 0
+
+
+def _engine_cores() -> list:
+    """vLLM engine-core processes of the Serve replicas (the offline reference's is this process' child)."""
+    import os
+
+    import psutil
+
+    return [
+        p
+        for p in psutil.process_iter(["name", "cmdline", "ppid"])
+        if "EngineCore" in " ".join(p.info["cmdline"] or [p.info["name"] or ""]) and p.info["ppid"] != os.getpid()
+    ]
+
+
+def test_a_dead_vllm_engine_core_fails_the_health_check_and_the_replica_is_replaced(base_url, client, config):
+    if config.engine != "vllm":
+        pytest.skip("vLLM's engine core runs in a process of its own; rayapp's engine runs in the replica")
+    cores = _engine_cores()
+    assert len(cores) == 1, cores
+    cores[0].kill()
+    # Until Serve replaces the replica, requests fail fast (5xx), never hang; then they are answered again.
+    deadline = time.monotonic() + 300
+    while True:
+        response = _post(base_url, {"model": MODEL, "messages": QUESTION, "max_tokens": 4})
+        if response.status_code == 200:
+            break
+        assert response.status_code >= 500, response.text
+        assert time.monotonic() < deadline, "the replica with a dead engine core was never replaced"
+        time.sleep(2)
+    assert [p.pid for p in _engine_cores()] != [cores[0].pid]
