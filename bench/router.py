@@ -21,7 +21,7 @@ Per policy it prints:
 
 Ray Serve LLM's router is loaded from its internal module (the public `ray.serve.llm.request_router`
 path refuses to import without vLLM or SGLang; it is the same class): it needs `pip install pyarrow`.
-It reads the request's `prompt` (rayapp's `GenerateRequest` carries the client's chat messages there)
+It reads the request's `prompt` (rayapp's `EngineRequest` carries the client's chat messages there)
 with its own defaults (`imbalanced_threshold` inf, `match_rate_threshold` 0.1).
 
     python bench/router.py                       # 16 x 6, max_tokens 32, 400-token documents
@@ -38,7 +38,15 @@ import time
 
 import ray
 from ray import serve
-from serve_multiturn import MODEL_NAME, SYSTEM_PROMPT, RequestRecord, openai_client, percentile, run_conversation
+from serve_multiturn import (
+    MODEL_NAME,
+    SYSTEM_PROMPT,
+    RequestRecord,
+    document,
+    openai_client,
+    percentile,
+    run_conversation,
+)
 
 from rayapp.config import AppConfig
 from rayapp.deployments.builder import build
@@ -57,16 +65,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def document(conversation: int, tokens: int) -> str:
-    """A distinct pasted document of roughly `tokens` tokens (about 28 tokens a sentence)."""
-    sentences = [
-        f"Booking {conversation}-{i}: boat {(conversation * 7 + i) % 12} on day {i % 28 + 1}, "
-        f"{(i * 3 + conversation) % 5 + 1} people, return by {(i % 6) + 14}:00."
-        for i in range(tokens // 28)
-    ]
-    return "Here are my earlier bookings. " + " ".join(sentences) if sentences else ""
 
 
 def shared_prefix_tokens() -> int:

