@@ -19,9 +19,11 @@ Systems (`--systems`, default all three):
 
 Measured per system and workload: time to first token (p50/p90); inter-token latency p50, per request (first to
 last content chunk) / (completion tokens - 1), because Ray Serve LLM sends chunks in bursts; output tokens/s
-(completion tokens / wall time); the cached prompt share (`usage.prompt_tokens_details.cached_tokens` / prompt
-tokens); and the delivered hit share over turns 2..T: cached tokens / reusable tokens, a turn's reusable tokens
-being the previous turn's prompt rounded down to the server's pages (what that turn left cached where it ran).
+(completion tokens / wall time), after the same warm-up for every server (8 concurrent ~1,000-token requests
+sharing nothing with the workload) on an idle host; the cached prompt share
+(`usage.prompt_tokens_details.cached_tokens` / prompt tokens); and the delivered hit share over turns 2..T:
+cached tokens / reusable tokens, a turn's reusable tokens being the previous turn's prompt rounded down to the
+server's pages (what that turn left cached where it ran).
 Then the ratios of each rayapp system to the anchor. Each phase (start, warm-up, load) is bounded by
 `--phase-timeout`, and each server is stopped whatever happens: SIGINT, then SIGTERM/SIGKILL to every process it
 started, found by a tag in their environment (never `ray stop --force`, which kills every Ray cluster on the host).
@@ -271,6 +273,31 @@ async def run_load(base_url: str, model: str, workload: Workload, page: int) -> 
     return summarize(list(per_conversation), wall_s, page)
 
 
+async def _warm_up(client: AsyncOpenAI, model: str) -> None:
+    """The same warm-up for every server: 8 concurrent requests of the workload's sizes (~1,000-token prompts,
+    64 tokens out) that share no prefix with the workload, so kernels and batch shapes are warm but no cache is."""
+    filler = " ".join(f"Item {i} of the warm-up list is a plain sentence about nothing much." for i in range(60))
+    await asyncio.gather(
+        *(_stream_turn(client, model, [{"role": "user", "content": f"{w}: {filler}"}], 64, 0) for w in range(8))
+    )
+
+
+def _wait_idle(limit_s: float = 60.0) -> None:
+    """Wait (bounded) until the host's CPUs are mostly idle, so a server's leftovers do not slow the next one."""
+
+    def busy_idle() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        return sum(fields) - fields[3] - fields[4], fields[3] + fields[4]
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        busy0, idle0 = busy_idle()
+        time.sleep(2.0)
+        busy1, idle1 = busy_idle()
+        if (idle1 - idle0) / max(1, busy1 - busy0 + idle1 - idle0) > 0.9:
+            return
+
+
 async def _wait_ready(base_url: str, model: str, deadline: float, server: subprocess.Popen | None) -> None:
     """Wait until `GET /v1/models` lists `model` and one tiny chat completion succeeds (it also warms up)."""
     last_error = "no answer yet"
@@ -284,6 +311,7 @@ async def _wait_ready(base_url: str, model: str, deadline: float, server: subpro
                     raise RuntimeError(f"GET /v1/models lists {ids}, not {model!r}")
                 warm = [{"role": "user", "content": "Say hello."}]
                 await _stream_turn(client, model, warm, 4, turn=0)
+                await _warm_up(client, model)
                 return
             except (OpenAIError, RuntimeError) as e:
                 last_error = f"{type(e).__name__}: {e}"
@@ -424,6 +452,7 @@ def run_phase(spec: ServerSpec, workload: Workload, args: argparse.Namespace, wo
     """Start one server, wait for it, run the workload, and always stop it; bounded by --phase-timeout."""
     if _port_in_use(spec.port):
         raise RuntimeError(f"port {spec.port} is already in use; stop that server or pick another --port")
+    _wait_idle()
     deadline = time.monotonic() + args.phase_timeout
     log_path = work_dir / f"{spec.name}-{workload.name}.log"
     tag = uuid.uuid4().hex

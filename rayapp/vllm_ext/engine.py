@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import logging
+import os
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +24,7 @@ from typing import Any
 from vllm import SamplingParams as VLLMSamplingParams
 from vllm.config import KVEventsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -121,11 +124,40 @@ def _sampling(params: SamplingParams) -> VLLMSamplingParams:
     )
 
 
+def bind_cpu_slot(config: AppConfig) -> Any:
+    """On CPU, give this replica's vLLM compute cores no other replica on the node computes on.
+
+    vLLM's own choice (`VLLM_CPU_OMP_THREADS_BIND=auto`) binds every engine on a node to the same first
+    cores, so two replicas on one node would share one core and leave the rest idle. Each replica takes
+    the first free slot of `num_cpus` cores (at least one), held by a file lock for the life of the
+    process (a dead replica frees its slot), and binds vLLM's threads there. Leaves the environment
+    alone when the user set the binding, or when every slot is taken. Returns the held lock (or None).
+    """
+    if config.device.split(":")[0] != "cpu" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    width = max(1, int(config.num_cpus))
+    for slot in range(len(cores) // width):
+        lock = open(Path(tempfile.gettempdir()) / f"rayapp-vllm-cpu-slot-{slot}.lock", "w")  # noqa: SIM115
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        if slot > 0:  # slot 0 is what vLLM's auto binding picks (and it keeps a core free for the frontend)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[slot * width : (slot + 1) * width]))
+        return lock
+    return None
+
+
 class VLLMBackend:
     """One vLLM engine (`AsyncLLM`, its engine core in a child process) behind rayapp's backend interface."""
 
-    def __init__(self, engine: AsyncLLM, events: VLLMKVEvents, stats: _EngineStats, block_size: int) -> None:
+    def __init__(
+        self, engine: AsyncLLM, events: VLLMKVEvents, stats: _EngineStats, block_size: int, cpu_slot: Any = None
+    ) -> None:
         self.engine, self.events, self._stats, self.block_size = engine, events, stats, block_size
+        self._cpu_slot = cpu_slot
 
     @classmethod
     def from_app_config(cls, config: AppConfig) -> VLLMBackend:
@@ -145,10 +177,11 @@ class VLLMBackend:
             model=str(resolve_model(config.model)), kv_events_config=kv_events, **engine_kwargs(config)
         )
         stats = _EngineStats()
+        cpu_slot = bind_cpu_slot(config)
         engine = AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_StatLogger, stats=stats)])
         block_size = config.kv_block_size()
         events = VLLMKVEvents(kv_events.endpoint, kv_events.replay_endpoint, config.model or DEFAULT_MODEL, block_size)
-        return cls(engine, events, stats, block_size)
+        return cls(engine, events, stats, block_size, cpu_slot)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
@@ -173,6 +206,8 @@ class VLLMBackend:
                     yield GenerateDelta(completion.text, list(completion.token_ids), reason, usage)
         except VLLMEngineDeadError as error:
             raise EngineDeadError(f"vLLM's engine core died: {error}") from None
+        except VLLMClientError as error:  # vLLM refused the request (not a ValueError in vLLM): the client's 400
+            raise ValueError(str(error)) from None
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -207,3 +242,5 @@ class VLLMBackend:
     def shutdown(self) -> None:
         self.events.close()
         self.engine.shutdown()
+        if self._cpu_slot is not None:
+            self._cpu_slot.close()

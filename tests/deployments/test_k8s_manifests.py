@@ -154,11 +154,19 @@ def test_base_serve_config_is_rayapp_config_yaml():
 
 
 @pytest.mark.parametrize("name", ["gpu", "npu"])
-def test_overlay_changes_only_the_device(name):
+def test_overlay_changes_only_the_device_and_runs_vllm_there(name):
     expected = serve_config(rayservice("base"))
     for app in expected["applications"]:
         app["args"]["device"] = DEVICE[name]
+        app["args"]["engine"] = "vllm"
     assert serve_config(rayservice(name)) == expected
+
+
+def test_npu_workers_allow_vllm_ascends_plugins():
+    # VLLM_PLUGINS is an allow-list: without ascend's names there, vLLM on the NPU pods loads no platform.
+    (group,) = worker_groups(rayservice("npu"))
+    env = {e["name"]: e["value"] for e in group["template"]["spec"]["containers"][0].get("env", [])}
+    assert {"ascend", "ascend_enhanced_model"} <= set(env["VLLM_PLUGINS"].split(","))
 
 
 @pytest.mark.parametrize("name", DEPLOYMENTS)

@@ -1,0 +1,55 @@
+"""vLLM replicas sharing a CPU node compute on cores of their own, not all on vLLM's first core."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from rayapp.config import AppConfig  # noqa: E402
+from rayapp.vllm_ext.engine import bind_cpu_slot  # noqa: E402
+
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+@pytest.fixture
+def node(monkeypatch, tmp_path):
+    """A 4-core node of our own: slot locks in tmp_path, no binding set by the user."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv(BIND, raising=False)
+
+
+def _replica(num_cpus: float) -> tuple[object, str | None]:
+    """Start one replica's binding and report the binding its engine would see (then forget it, as a new
+    replica process would not have it)."""
+    lock = bind_cpu_slot(AppConfig(engine="vllm", num_cpus=num_cpus))
+    return lock, os.environ.pop(BIND, None)
+
+
+def test_replicas_on_one_node_take_distinct_cores_and_a_dead_ones_core_is_reused(node):
+    first, second, third = _replica(1), _replica(1), _replica(1)
+    # The first keeps vLLM's own choice (first core, one left for the frontends); the others move over.
+    assert (first[1], second[1], third[1]) == (None, "1", "2")
+    second[0].close()  # that replica died
+    again = _replica(1)
+    assert again[1] == "1"
+    for lock, _ in (first, third, again):
+        lock.close()
+
+
+def test_a_replica_of_two_cpus_takes_two_cores_and_a_full_node_leaves_vllm_alone(node):
+    first, second = _replica(2), _replica(2)
+    assert second[1] == "2,3"
+    assert _replica(2) == (None, None)
+    first[0].close()
+    second[0].close()
+
+
+def test_a_users_binding_wins(node, monkeypatch):
+    monkeypatch.setenv(BIND, "0-1")
+    assert bind_cpu_slot(AppConfig(engine="vllm")) is None
+    assert os.environ[BIND] == "0-1"
