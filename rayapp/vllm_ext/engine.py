@@ -32,6 +32,7 @@ from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from rayapp.config import AppConfig
+from rayapp.config.app import VLLM_SHARED_KWARGS
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
 from rayapp.engine.kv_events import KVEvent
 from rayapp.engine.sampling_params import SamplingParams
@@ -40,15 +41,9 @@ from rayapp.vllm_ext.kv_events import VLLMKVEvents
 
 logger = logging.getLogger(__name__)
 
-# AppConfig fields that map onto AsyncEngineArgs when the user set them (otherwise vLLM's defaults hold).
-_SHARED_FIELDS = {
-    "dtype": "dtype",
-    "max_model_len": "max_model_len",
-    "enable_prefix_caching": "enable_prefix_caching",
-    "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "num_pages": "num_gpu_blocks_override",
-}
+# AppConfig fields that map onto AsyncEngineArgs as they are, when the user set them (else vLLM's defaults hold);
+# the page size and the KV cache size are placed below.
+_PLAIN_FIELDS = {k: f for k, f in VLLM_SHARED_KWARGS.items() if k not in ("block_size", "kv_cache_memory_bytes")}
 # Batches vLLM keeps for a subscriber that missed some (one batch per engine step with cache changes).
 REPLAY_BUFFER_STEPS = 10_000
 
@@ -58,7 +53,7 @@ def engine_kwargs(config: AppConfig) -> dict[str, Any]:
     AppConfig fields the user set, with the page size the ingress hashes with."""
     kwargs = dict(config.engine_kwargs)
     kwargs["block_size"] = config.kv_block_size()
-    for field, key in _SHARED_FIELDS.items():
+    for key, field in _PLAIN_FIELDS.items():
         if field in config.model_fields_set:
             kwargs[key] = getattr(config, field)
     on_cpu = config.device.split(":")[0] == "cpu"
