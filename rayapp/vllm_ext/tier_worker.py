@@ -1,0 +1,144 @@
+"""The worker half of `RayappKVTierConnector`: tier blocks into vLLM's pages, and pages into the tier.
+
+Runs in vLLM's worker process, which joins the Ray cluster (the node's `KVTierStore` actor owns the
+blocks) and keeps one `KVTierClient`. Loads run on a thread of their own, each request's blocks
+fetched, verified (hash, parent, token ids, tenant, model by the tier's loader; dtype and shape
+here) and copied into the pages vLLM allocated, while other requests keep stepping; the first block
+that is missing or refused ends the load, and its pages and the rest are reported failed, so vLLM
+recomputes them. Saves copy the step's newly full pages after the forward and queue them for the
+client's writer thread: no decode step waits on the store or the database.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import ray
+from vllm.distributed.kv_events import BlockRemoved as VLLMBlockRemoved
+from vllm.distributed.kv_events import BlockStored as VLLMBlockStored
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+
+from rayapp.engine.kv_events import BlockRemoved, BlockStored
+from rayapp.kvtier.client import KVTierClient
+from rayapp.vllm_ext.connector import TIER_MEDIUM, BlockRun, Load, TierSettings
+from rayapp.vllm_ext.pages import PagedKV
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("rayapp.kvtier")
+# Loads at once: each mostly waits on the object store, and copies with the GIL released.
+LOAD_THREADS = 2
+
+
+class TierEvents(KVConnectorKVEvents):
+    """Cluster-tier events of one worker, for vLLM to carry to the scheduler (and its KV event stream)."""
+
+    def __init__(self, events: list[KVCacheEvent]) -> None:
+        self._events = events
+        self._workers = 1
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.extend(events)
+
+    def aggregate(self) -> TierEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return self._events
+
+    def get_number_of_workers(self) -> int:
+        return self._workers
+
+    def clear_events(self) -> None:
+        self._events = []
+
+
+def _vllm_event(event: BlockStored | BlockRemoved) -> KVCacheEvent:
+    if isinstance(event, BlockStored):
+        return VLLMBlockStored(
+            block_hashes=list(event.block_hashes), parent_block_hash=event.parent_block_hash,
+            token_ids=list(event.token_ids), block_size=event.block_size, lora_id=None, medium=TIER_MEDIUM,
+            lora_name=None,
+        )  # fmt: skip
+    return VLLMBlockRemoved(block_hashes=list(event.block_hashes), medium=TIER_MEDIUM)
+
+
+class TierWorker:
+    def __init__(self, settings: TierSettings, vllm_config: VllmConfig) -> None:
+        if not ray.is_initialized():
+            ray.init(address=settings.ray_address, log_to_driver=False, logging_level=logging.WARNING)
+        model = vllm_config.model_config
+        self.num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
+        self.head_dim = model.get_head_size()
+        self.block_size = vllm_config.cache_config.block_size
+        self._forward_context = vllm_config.compilation_config.static_forward_context
+        self.client = KVTierClient(
+            settings.tier_config(), settings.model_id, self.block_size, self.num_kv_heads * self.head_dim
+        )
+        self.pages: PagedKV | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="rayapp-kvtier-load")
+        self._lock = threading.Lock()
+        self._finished: dict[str, list[int]] = {}  # request id -> its pages that did not load
+        self._failed_pages: set[int] = set()
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        """Take vLLM's KV caches; refuses a layout `PagedKV` cannot read (vLLM then fails to start)."""
+        isa = getattr(self._forward_context.get(next(iter(kv_caches), "")), "isa", None)
+        self.pages = PagedKV.from_registered(kv_caches, self.block_size, self.num_kv_heads, self.head_dim, isa)
+
+    def start_loads(self, loads: list[Load]) -> None:
+        for load in loads:
+            self._pool.submit(self._load, load)
+
+    def _load(self, load: Load) -> None:
+        loaded = 0
+        try:
+            blocks = self.client.fetch(load.chain, load.token_ids, load.cache_salt, load.start_block)
+            for block, page in zip(blocks, load.block_ids):
+                if tuple(block.key.shape) != self.pages.block_shape or block.key.dtype != self.pages.dtype:
+                    logger.warning(
+                        "cluster KV tier block %#018x is %s %s, this engine's pages %s %s: recomputed",
+                        block.block_hash, block.key.dtype, tuple(block.key.shape), self.pages.dtype,
+                        self.pages.block_shape,
+                    )  # fmt: skip
+                    break
+                self.pages.scatter(page, block.key, block.value)
+                loaded += 1
+        except Exception:  # the tier is a cache: whatever went wrong, vLLM recomputes what did not load
+            logger.exception("cluster KV tier: loading request %s failed", load.request_id)
+        with self._lock:
+            self._finished[load.request_id] = list(load.block_ids[loaded:])
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose load ended since the last call; their failed pages go to `take_failed_blocks`."""
+        with self._lock:
+            finished, self._finished = self._finished, {}
+            for pages in finished.values():
+                self._failed_pages.update(pages)
+        return set(finished)
+
+    def take_failed_blocks(self) -> set[int]:
+        with self._lock:
+            failed, self._failed_pages = self._failed_pages, set()
+        return failed
+
+    def save(self, runs: list[BlockRun]) -> None:
+        for run in runs:
+            key, value = self.pages.gather(run.block_ids)  # [L, n, bs, H, D] copies: the pages may be reused
+            stored = BlockStored(run.block_hashes, run.parent, run.token_ids, self.block_size)
+            self.client.write(stored, run.cache_salt, key, value)
+
+    def take_events(self) -> TierEvents | None:
+        events = self.client.take_events()
+        return TierEvents([_vllm_event(e) for e in events]) if events else None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.client.close()
