@@ -233,6 +233,11 @@ class AppConfig(BaseModel):
         for key, field_name in VLLM_SHARED_KWARGS.items():
             if key in self.engine_kwargs and field_name in self.model_fields_set:
                 raise ValueError(f"engine_kwargs.{key} and {field_name} are the same setting; set only one of them")
+        if self.kvtier.enabled and "kv_transfer_config" in self.engine_kwargs:
+            raise ValueError(
+                "engine_kwargs.kv_transfer_config is set by rayapp when kvtier.enabled (the cluster tier is vLLM's "
+                "KV connector); turn kvtier off to use another connector"
+            )
         for section in ("sparse", "layerwise"):
             if getattr(self, section).enabled:
                 raise ValueError(f"{section}.enabled is not supported with engine: vllm; use engine: rayapp")

@@ -49,8 +49,10 @@ CONNECTOR_NAME = "RayappKVTierConnector"
 # The `medium` of the KV events this connector adds to vLLM's stream: blocks now in (or gone from) the
 # cluster tier, named by rayapp's hashes, which the replica's subscriber hands the router as cluster blocks.
 TIER_MEDIUM = "rayapp-cluster-tier"
-# `kv_transfer_params` key of a finished request's output: prompt tokens loaded from the tier.
+# `kv_transfer_params` keys of a finished request's output: prompt tokens loaded from the tier, and tokens the
+# tier offered but did not deliver (missing or refused blocks, recomputed), which vLLM still counts as cached.
 LOADED_TOKENS_PARAM = "rayapp_tier_loaded_tokens"
+MISSED_TOKENS_PARAM = "rayapp_tier_missed_tokens"
 # The scheduler waits at most this long for the catalog, once per request; a slower answer is a miss, and
 # until that lookup returns, later requests miss without asking (a frozen database costs one deadline).
 LOOKUP_DEADLINE_S = 0.1
@@ -171,8 +173,9 @@ class RayappKVTierConnector(KVConnectorBase_V1):
         self.scheduler.update(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        loaded = self.scheduler.finish(request.request_id)
-        return False, ({LOADED_TOKENS_PARAM: loaded} if loaded else None)
+        loaded, missed = self.scheduler.finish(request.request_id)
+        params = {k: v for k, v in ((LOADED_TOKENS_PARAM, loaded), (MISSED_TOKENS_PARAM, missed)) if v}
+        return False, params or None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self.scheduler.take_events()

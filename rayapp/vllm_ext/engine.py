@@ -4,7 +4,8 @@ The ingress templates and tokenizes once; this backend hands vLLM the token ids 
 with the tenant's salt as `cache_salt`, streams vLLM's deltas, and reports vLLM's own counts:
 cached prompt tokens per request, running and waiting requests and KV usage from vLLM's stat
 logger interface. The prefix router is fed from vLLM's ZMQ KV events (`VLLMKVEvents`), published
-on an IPC endpoint of this replica's own, so replicas on one node never collide.
+on an IPC endpoint of this replica's own, so replicas on one node never collide. With `kvtier.enabled`
+vLLM's engine gets the cluster tier as its KV connector (`RayappKVTierConnector`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta,
 from rayapp.engine.kv_events import KVEvent
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.loader import DEFAULT_MODEL, resolve_model
+from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM, kv_transfer_config
 from rayapp.vllm_ext.kv_events import VLLMKVEvents
 
 logger = logging.getLogger(__name__)
@@ -81,7 +83,10 @@ class _EngineStats:
     """vLLM's numbers under rayapp's metric names."""
 
     def __init__(self) -> None:
-        self.counters = {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0, "num_preemptions": 0}
+        self.counters = {
+            "prompt_tokens": 0, "cached_prompt_tokens": 0, "tier_loaded_tokens": 0, "generation_tokens": 0,
+            "num_preemptions": 0,
+        }  # fmt: skip
         self.num_running = self.num_waiting = 0
         self.kv_usage = 0.0
 
@@ -156,8 +161,6 @@ class VLLMBackend:
 
     @classmethod
     def from_app_config(cls, config: AppConfig) -> VLLMBackend:
-        if config.kvtier.enabled:
-            logger.warning("kvtier is not supported on engine: vllm yet; this replica serves without the cluster tier")
         # An IPC endpoint per replica: unique on the node without picking ports.
         base = Path(tempfile.gettempdir()) / f"rayapp-kv-{uuid.uuid4().hex[:12]}"
         kv_events = KVEventsConfig(
@@ -168,14 +171,16 @@ class VLLMBackend:
             buffer_steps=REPLAY_BUFFER_STEPS,
         )
         check_config(config)
-        args = AsyncEngineArgs(
-            model=str(resolve_model(config.model)), kv_events_config=kv_events, **engine_kwargs(config)
-        )
+        model_id = config.model or DEFAULT_MODEL
+        kwargs = engine_kwargs(config)
+        if config.kvtier.enabled:
+            kwargs["kv_transfer_config"] = kv_transfer_config(config.kvtier, model_id)
+        args = AsyncEngineArgs(model=str(resolve_model(config.model)), kv_events_config=kv_events, **kwargs)
         stats = _EngineStats()
         cpu_slot = bind_cpu_slot(config)
         engine = AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_StatLogger, stats=stats)])
         block_size = config.kv_block_size()
-        events = VLLMKVEvents(kv_events.endpoint, kv_events.replay_endpoint, config.model or DEFAULT_MODEL, block_size)
+        events = VLLMKVEvents(kv_events.endpoint, kv_events.replay_endpoint, model_id, block_size)
         return cls(engine, events, stats, block_size, cpu_slot)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
@@ -193,9 +198,12 @@ class VLLMBackend:
                     generated += len(completion.token_ids)
                     usage = None
                     if out.finished:
-                        cached = out.num_cached_tokens or 0
+                        tier = out.kv_transfer_params or {}
+                        # vLLM counts what the tier offered as cached, delivered or not.
+                        cached = (out.num_cached_tokens or 0) - tier.get(MISSED_TOKENS_PARAM, 0)
                         self._stats.counters["prompt_tokens"] += prompt_tokens
                         self._stats.counters["cached_prompt_tokens"] += cached
+                        self._stats.counters["tier_loaded_tokens"] += tier.get(LOADED_TOKENS_PARAM, 0)
                         usage = Usage(prompt_tokens, generated, cached)
                     reason = completion.finish_reason if out.finished else None
                     yield GenerateDelta(completion.text, list(completion.token_ids), reason, usage)
@@ -232,7 +240,8 @@ class VLLMBackend:
             raise EngineDeadError(f"vLLM's engine core died: {error}") from None
 
     async def flush_tier(self) -> None:
-        """No cluster tier on vLLM replicas yet: nothing is ever queued."""
+        """Nothing to wait on here: the tier's writes are queued in vLLM's worker process, which this
+        process cannot reach; the catalog shows when they landed."""
 
     def shutdown(self) -> None:
         self.events.close()

@@ -13,6 +13,11 @@ it. A gap in vLLM's numbering (a slow-joining subscriber, a dropped message) is 
 replay buffer; when the buffer no longer holds it, the mirror is dropped (`AllCleared`) and rebuilt
 from later events. So the index can miss blocks the replica holds (until vLLM stores them again),
 but never keeps a block vLLM reported removing.
+
+Blocks the cluster-tier connector wrote to (or saw leave) the tier come in the same stream with the
+medium `TIER_MEDIUM`, already named by rayapp's hashes: they go to the router as cluster-tier events.
+vLLM sends a step's connector events with the next step's output, so the router learns of a tier
+block at the latest one engine step after its write, or with the next request on an idle replica.
 """
 
 from __future__ import annotations
@@ -28,7 +33,16 @@ from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch
 from vllm.distributed.kv_events import BlockRemoved as VLLMBlockRemoved
 from vllm.distributed.kv_events import BlockStored as VLLMBlockStored
 
-from rayapp.engine.kv_events import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent, hash_block
+from rayapp.engine.kv_events import (
+    CLUSTER_TIER,
+    AllCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    hash_block,
+)
+from rayapp.vllm_ext.connector import TIER_MEDIUM
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +109,24 @@ class VLLMKVEvents:
         """Re-key one batch of vLLM events into pending rayapp events and the mirror."""
         with self._lock:
             for event in batch.events:
-                if isinstance(event, VLLMBlockStored):
+                if getattr(event, "medium", None) == TIER_MEDIUM:
+                    self._tier(event)
+                elif isinstance(event, VLLMBlockStored):
                     self._stored(event)
                 elif isinstance(event, VLLMBlockRemoved):
                     self._removed(event)
                 elif isinstance(event, AllBlocksCleared):
                     self._blocks.clear()
                     self._pending.append(AllCleared())
+
+    def _tier(self, event: VLLMBlockStored | VLLMBlockRemoved) -> None:
+        # The tier connector's events name blocks by rayapp's hashes already; they are the cluster's, not the mirror's.
+        hashes = tuple(BlockHash(h) for h in event.block_hashes)
+        if isinstance(event, VLLMBlockStored):
+            parent = None if event.parent_block_hash is None else BlockHash(event.parent_block_hash)
+            self._pending.append(BlockStored(hashes, parent, tuple(event.token_ids), event.block_size, CLUSTER_TIER))
+        elif isinstance(event, VLLMBlockRemoved):
+            self._pending.append(BlockRemoved(hashes, CLUSTER_TIER))
 
     def _stored(self, event: VLLMBlockStored) -> None:
         n = len(event.block_hashes)

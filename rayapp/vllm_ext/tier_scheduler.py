@@ -43,6 +43,7 @@ class _Tracked:
     lookup: tuple[tuple[int, int], int] | None = None
     load: Load | None = None
     loaded_tokens: int = 0
+    missed_tokens: int = 0
     # Blocks before this one are cached or saved already; None until the request is first scheduled.
     saved_upto: int | None = None
     # A load of this request came up short: vLLM recomputes, and the tier is not offered to it again (the
@@ -182,15 +183,16 @@ class TierScheduler:
             bad = output.invalid_block_ids or set()
             loaded = next((i for i, page in enumerate(pages) if page in bad), len(pages))
             tracked.loaded_tokens = loaded * self.block_size
+            tracked.missed_tokens = (len(pages) - loaded) * self.block_size
             tracked.load_failed = loaded < len(pages)
             tracked.load = None
         if output.kv_cache_events is not None:
             self._events.extend(output.kv_cache_events.get_all_events())
 
-    def finish(self, request_id: str) -> int:
-        """Forget a finished request; the prompt tokens it loaded from the tier."""
+    def finish(self, request_id: str) -> tuple[int, int]:
+        """Forget a finished request; the prompt tokens it loaded from the tier, and those offered but not loaded."""
         tracked = self._requests.pop(request_id, None)
-        return 0 if tracked is None else tracked.loaded_tokens
+        return (0, 0) if tracked is None else (tracked.loaded_tokens, tracked.missed_tokens)
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

@@ -1,0 +1,191 @@
+"""The cluster tier as vLLM's KV connector, in `vllm.LLM`: a history computed once is loaded, not recomputed.
+
+One engine for the module, with the tier of an embedded PostgreSQL and this node's store actor.
+`reset_prefix_cache()` empties vLLM's own cache, so the next request finds the history only in the
+tier, as a fresh replica would. Faults: a block corrupted in the store, a catalog that stops
+answering, a catalog that is gone; each ends in recompute and the same answer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import psutil
+import pytest
+import ray
+
+pytest.importorskip("vllm")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+from rayapp.config import KVTierConfig  # noqa: E402
+from rayapp.engine.kv_events import hash_block  # noqa: E402
+from rayapp.kvtier.catalog import Catalog  # noqa: E402
+from rayapp.kvtier.records import BlockRow  # noqa: E402
+from rayapp.kvtier.embedded import NAMESPACE, start_embedded_database, stop_embedded_database  # noqa: E402
+from rayapp.kvtier.store import store_name  # noqa: E402
+from rayapp.models.loader import DEFAULT_MODEL, resolve_model  # noqa: E402
+from rayapp.vllm_ext.connector import (  # noqa: E402
+    LOADED_TOKENS_PARAM,
+    MISSED_TOKENS_PARAM,
+    TierSettings,
+    kv_transfer_config,
+)  # noqa: E402
+from rayapp.vllm_ext.tier_scheduler import TierScheduler  # noqa: E402
+
+BLOCK = 128
+HEADS, HEAD_DIM = 3, 64
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+HISTORY = " ".join(
+    f"Log {i}: the {c} crate from dock {i * 7} was loaded onto truck {i * 13 % 50} by {n} at {i % 12 + 1} o'clock."
+    for i, (c, n) in enumerate(zip(["red", "green", "blue", "amber", "white", "black"] * 12, ["Ana", "Bo", "Cy"] * 24))
+)
+
+
+@pytest.fixture(scope="module")
+def tier(tmp_path_factory):
+    ray.init(num_cpus=2, include_dashboard=False)
+    config = KVTierConfig(enabled=True, data_dir=str(tmp_path_factory.mktemp("vllm-tier") / "db"))
+    llm = LLM(
+        str(resolve_model(None)), dtype="bfloat16", block_size=BLOCK, kv_cache_memory_bytes=1 << 30,
+        enforce_eager=True, kv_transfer_config=kv_transfer_config(config, DEFAULT_MODEL),
+    )  # fmt: skip
+    dsn = start_embedded_database(config.data_dir)
+    yield SimpleNamespace(llm=llm, dsn=dsn, catalog=Catalog(dsn, HEADS * HEAD_DIM))
+    llm.llm_engine.engine_core.shutdown()
+    stop_embedded_database()
+    ray.shutdown()
+
+
+def _prompt(llm: LLM, question: str) -> list[int]:
+    messages = [{"role": "user", "content": f"{HISTORY}\n{question}"}]
+    return llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def _hashes(tokens: list[int], salt: str = "") -> list[int]:
+    hashes: list[int] = []
+    for i in range(len(tokens) // BLOCK):
+        hashes.append(hash_block(hashes[-1] if hashes else None, tuple(tokens[i * BLOCK : (i + 1) * BLOCK]), (DEFAULT_MODEL, salt)))
+    return hashes
+
+
+def _wait_in_tier(catalog: Catalog, hashes: list[int]) -> None:
+    """Writes land on the worker's writer thread after the step: wait (bounded) until the catalog has them."""
+    deadline = time.monotonic() + 60
+    while catalog.longest_chain(hashes).num_present < len(hashes):
+        assert time.monotonic() < deadline, "the history's blocks never reached the tier"
+        time.sleep(0.1)
+
+
+def _generate(llm: LLM, tokens: list[int], salt: str | None = None):
+    prompt = {"prompt_token_ids": tokens} | ({"cache_salt": salt} if salt else {})
+    return llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+
+
+@pytest.fixture(scope="module")
+def history(tier):
+    """Turn 1 computed and in the tier; turn 2's prompt, its answer from vLLM's own cache and from a recompute."""
+    first = _prompt(tier.llm, "Which truck took the amber crate?")
+    assert len(first) > 2048
+    _generate(tier.llm, first)
+    second = _prompt(tier.llm, "Who loaded the white crate?")
+    reusable = (len(second) - 1) // BLOCK * BLOCK
+    _wait_in_tier(tier.catalog, _hashes(second[:reusable]))
+    local = _generate(tier.llm, second)
+    assert local.num_cached_tokens == reusable and not local.kv_transfer_params
+    recomputed = _generate(tier.llm, second, salt="recompute")  # another tenant: nothing cached, nothing loaded
+    assert recomputed.num_cached_tokens == 0
+    return SimpleNamespace(tokens=second, reusable=reusable, local=local.outputs[0].token_ids,
+                           recomputed=recomputed.outputs[0].token_ids)  # fmt: skip
+
+
+def test_history_loads_from_the_tier_into_an_empty_cache(tier, history):
+    assert tier.llm.reset_prefix_cache()
+    out = _generate(tier.llm, history.tokens)
+    assert out.num_cached_tokens == history.reusable >= 0.9 * len(history.tokens)
+    assert out.kv_transfer_params == {LOADED_TOKENS_PARAM: history.reusable}
+    assert out.outputs[0].token_ids == history.local  # the loaded pages are the computed ones, bit for bit
+    assert out.outputs[0].token_ids == history.recomputed
+
+
+def _store():
+    return ray.get_actor(store_name(ray.get_runtime_context().get_node_id()), namespace=NAMESPACE)
+
+
+def test_a_corrupted_block_is_refused_and_recomputed(tier, history):
+    hashes = _hashes(history.tokens[: history.reusable])
+    store, bad = _store(), hashes[5]
+    (ref,) = ray.get(store.get_many.remote([bad]))
+    data = np.array(ray.get(ref))
+    data[-100] ^= 0xFF  # a flipped byte in V's tensor bytes: the header still parses, the CRC does not match
+    assert ray.get(store.delete.remote(bad))
+    assert ray.get(store.put_many.remote([data])).kept == (True,)
+    assert tier.llm.reset_prefix_cache()
+    out = _generate(tier.llm, history.tokens)
+    # The chain ends at the bad block; vLLM counts the whole offer as cached, the connector says what was not.
+    missed = history.reusable - 5 * BLOCK
+    assert out.kv_transfer_params == {LOADED_TOKENS_PARAM: 5 * BLOCK, MISSED_TOKENS_PARAM: missed}
+    assert out.num_cached_tokens - missed == 5 * BLOCK
+    assert out.outputs[0].token_ids == history.local
+
+
+def test_blocks_of_a_store_that_is_gone_are_recomputed(tier, history):
+    # Catalog rows naming a store that no longer exists (its node died before its rows were pruned).
+    hashes = _hashes(history.tokens[: history.reusable], salt="ghost")
+    rows = [
+        BlockRow(h, hashes[i - 1] if i else None, DEFAULT_MODEL, "ghost", 0, "dead-node", store_name("dead-node"),
+                 1 << 20, BLOCK)
+        for i, h in enumerate(hashes)
+    ]  # fmt: skip
+    assert tier.catalog.upsert(rows)
+    out = _generate(tier.llm, history.tokens, salt="ghost")
+    assert out.kv_transfer_params == {MISSED_TOKENS_PARAM: history.reusable}
+    assert out.outputs[0].token_ids == history.recomputed
+
+
+def _postgres_processes(dsn: str) -> list[psutil.Process]:
+    port = int(dict(part.split("=", 1) for part in dsn.split())["port"])
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        if proc.info["name"] == "postgres" and f"{port}" in " ".join(proc.info["cmdline"] or []):
+            return [proc, *proc.children(recursive=True)]
+    raise AssertionError(f"no postgres serves port {port}")
+
+
+def test_a_frozen_catalog_costs_one_deadline_then_is_skipped(tier):
+    settings = TierSettings(dsn=tier.dsn, model_id=DEFAULT_MODEL, lookup_deadline_s=0.2)
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        model_config=SimpleNamespace(get_num_kv_heads=lambda _parallel: HEADS, get_head_size=lambda: HEAD_DIM),
+        parallel_config=None,
+    )
+    scheduler = TierScheduler(settings, vllm_config)
+    tokens = list(range(1000, 1000 + 4 * BLOCK + 1))
+
+    def request(n: int) -> SimpleNamespace:
+        return SimpleNamespace(request_id=f"r{n}", all_token_ids=tokens, num_tokens=len(tokens), cache_salt=None)
+
+    assert scheduler.matched_tokens(request(0), 0) == 0  # answered: nothing stored for these tokens
+    frozen = _postgres_processes(tier.dsn)
+    for proc in frozen:
+        os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        # The first lookup gives up at its deadline (the query is still out); the second does not ask.
+        assert scheduler.matched_tokens(request(1), 0) == 0
+        assert scheduler.matched_tokens(request(2), 0) == 0
+        assert scheduler.counters == {"lookups": 2, "lookups_timed_out": 1, "lookups_skipped": 1}
+    finally:
+        for proc in frozen:
+            os.kill(proc.pid, signal.SIGCONT)
+    scheduler.close()
+
+
+def test_requests_are_served_with_the_catalog_gone(tier, history):
+    stop_embedded_database()
+    assert tier.llm.reset_prefix_cache()
+    out = _generate(tier.llm, history.tokens)
+    assert out.num_cached_tokens == 0 and not out.kv_transfer_params
+    assert out.outputs[0].token_ids == history.recomputed
