@@ -86,6 +86,8 @@ class LLMReplica:
 
     def __del__(self) -> None:
         # Serve calls this on graceful shutdown: stop the engine, take our numbers and pages down.
+        if not hasattr(self, "_tasks"):  # __init__ failed (say the engine did not start): nothing to undo
+            return
         for task in self._tasks:
             task.cancel()
         self._hub.remove.remote(self.replica)

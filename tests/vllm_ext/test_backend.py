@@ -21,14 +21,16 @@ from rayapp.config import AppConfig  # noqa: E402
 from rayapp.deployments.engines import backend_class  # noqa: E402
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage  # noqa: E402
 from rayapp.engine.sampling_params import SamplingParams  # noqa: E402
+from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM  # noqa: E402
 from rayapp.vllm_ext.engine import VLLMBackend, _EngineStats, engine_kwargs  # noqa: E402
 
 
 class FakeAsyncLLM:
     """Streams two DELTA outputs (3 tokens, then 2 and the finish), recording what it was asked."""
 
-    def __init__(self, fail: BaseException | None = None) -> None:
+    def __init__(self, fail: BaseException | None = None, kv_transfer_params: dict | None = None) -> None:
         self.fail, self.calls, self.closed = fail, [], False
+        self.kv_transfer_params = kv_transfer_params
 
     async def generate(self, prompt, params, request_id):
         self.calls.append((prompt, params, request_id))
@@ -38,7 +40,14 @@ class FakeAsyncLLM:
             for ids, finished in (([1, 2, 3], False), ([4, 5], True)):
                 out = CompletionOutput(0, "x" * len(ids), ids, None, None, finish_reason="length" if finished else None)
                 yield RequestOutput(
-                    request_id, None, prompt["prompt_token_ids"], None, [out], finished, num_cached_tokens=128
+                    request_id,
+                    None,
+                    prompt["prompt_token_ids"],
+                    None,
+                    [out],
+                    finished,
+                    num_cached_tokens=128,
+                    kv_transfer_params=self.kv_transfer_params if finished else None,
                 )
         finally:
             self.closed = True
@@ -75,6 +84,15 @@ def test_token_ids_salt_and_sampling_reach_vllm_and_usage_is_vllms_count():
     assert [d.token_ids for d in deltas] == [[1, 2, 3], [4, 5]]
     assert deltas[0].finish_reason is None and deltas[0].usage is None
     assert deltas[1].finish_reason == "length" and deltas[1].usage == Usage(300, 5, 128)
+
+
+def test_tier_loads_count_as_cached_and_what_the_tier_failed_to_deliver_does_not():
+    # vLLM reports 128 cached: the connector offered 128 from the tier but only 64 loaded (the rest recomputed).
+    stats = _EngineStats()
+    engine = FakeAsyncLLM(kv_transfer_params={LOADED_TOKENS_PARAM: 64, MISSED_TOKENS_PARAM: 64})
+    deltas = _deltas(VLLMBackend(engine, events=None, stats=stats, block_size=128), _request())
+    assert deltas[-1].usage == Usage(300, 5, 64)
+    assert (stats.counters["cached_prompt_tokens"], stats.counters["tier_loaded_tokens"]) == (64, 64)
 
 
 def test_no_tenant_sends_no_salt():
@@ -119,6 +137,8 @@ def test_bad_engine_settings_are_refused_naming_the_field():
         AppConfig(engine="vllm", block_size=32, engine_kwargs={"block_size": 64})
     with pytest.raises(ValueError, match="engine_kwargs.model"):
         AppConfig(engine="vllm", engine_kwargs={"model": "other"})
+    with pytest.raises(ValueError, match="kv_transfer_config is set by rayapp when kvtier.enabled"):
+        AppConfig(engine="vllm", kvtier={"enabled": True}, engine_kwargs={"kv_transfer_config": {}})
     with pytest.raises(ValueError, match="sparse.enabled"):
         AppConfig(engine="vllm", sparse={"enabled": True})
     with pytest.raises(ValueError, match="engine: vllm only"):

@@ -24,12 +24,13 @@ from vllm.distributed.kv_events import (  # noqa: E402
     ZmqEventPublisher,
 )
 
-from rayapp.engine.kv_events import AllCleared, hash_blocks  # noqa: E402
+from rayapp.engine.kv_events import CLUSTER_TIER, AllCleared, hash_blocks  # noqa: E402
 from rayapp.engine.kv_events import BlockRemoved as RayappBlockRemoved  # noqa: E402
 from rayapp.engine.kv_events import BlockStored as RayappBlockStored  # noqa: E402
 from rayapp.prefix_router.actor import PrefixIndexService  # noqa: E402
 from rayapp.prefix_router.index import PrefixIndex  # noqa: E402
 from rayapp.prefix_router.publisher import KVEventPublisher  # noqa: E402
+from rayapp.vllm_ext.connector import TIER_MEDIUM  # noqa: E402
 from rayapp.vllm_ext.kv_events import VLLMKVEvents  # noqa: E402
 
 BS = 4
@@ -224,3 +225,27 @@ def test_a_restarted_index_and_a_lost_index_batch_are_rebuilt_from_the_mirror(ch
         await until_held(5)
 
     asyncio.run(story())
+
+
+def test_tier_connector_blocks_are_credited_to_every_replica_and_stay_out_of_the_mirror(channel):
+    channel.subscribe()
+    tier = hash_blocks(TOKENS, BS, (MODEL, ""))
+    # What RayappKVTierConnector adds to vLLM's stream: blocks it wrote to the tier, by rayapp's hashes.
+    channel.publish(
+        BlockStored(
+            block_hashes=tier[:4], parent_block_hash=None, token_ids=TOKENS[:16], block_size=BS, lora_id=None,
+            medium=TIER_MEDIUM, lora_name=None,
+        ),
+        BlockRemoved(block_hashes=[tier[3]], medium=TIER_MEDIUM),
+    )  # fmt: skip
+    events = channel.wait_for(2)
+    assert events == [
+        RayappBlockStored(tuple(tier[:4]), None, tuple(TOKENS[:16]), BS, CLUSTER_TIER),
+        RayappBlockRemoved((tier[3],), CLUSTER_TIER),
+    ]
+    service = PrefixIndexService(max_blocks=1000, replica_timeout_s=60)
+    assert service.publish("writer", 0, [AllCleared(), *events])
+    assert service.publish("other", 0, [AllCleared()])
+    # Loadable by a replica that never held them; the one the store evicted is gone for everyone.
+    assert service.match(tier, ["other"])["other"].blocks == 3
+    assert channel.subscriber.snapshot() == [AllCleared()]

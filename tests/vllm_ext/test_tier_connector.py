@@ -23,10 +23,10 @@ pytest.importorskip("vllm")
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from rayapp.config import KVTierConfig  # noqa: E402
-from rayapp.engine.kv_events import hash_block  # noqa: E402
+from rayapp.engine.kv_events import hash_blocks  # noqa: E402
 from rayapp.kvtier.catalog import Catalog  # noqa: E402
-from rayapp.kvtier.records import BlockRow  # noqa: E402
 from rayapp.kvtier.embedded import NAMESPACE, start_embedded_database, stop_embedded_database  # noqa: E402
+from rayapp.kvtier.records import BlockRow  # noqa: E402
 from rayapp.kvtier.store import store_name  # noqa: E402
 from rayapp.models.loader import DEFAULT_MODEL, resolve_model  # noqa: E402
 from rayapp.vllm_ext.connector import (  # noqa: E402
@@ -34,7 +34,7 @@ from rayapp.vllm_ext.connector import (  # noqa: E402
     MISSED_TOKENS_PARAM,
     TierSettings,
     kv_transfer_config,
-)  # noqa: E402
+)
 from rayapp.vllm_ext.tier_scheduler import TierScheduler  # noqa: E402
 
 BLOCK = 128
@@ -63,14 +63,12 @@ def tier(tmp_path_factory):
 
 def _prompt(llm: LLM, question: str) -> list[int]:
     messages = [{"role": "user", "content": f"{HISTORY}\n{question}"}]
-    return llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    tokenizer = llm.get_tokenizer()
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
 def _hashes(tokens: list[int], salt: str = "") -> list[int]:
-    hashes: list[int] = []
-    for i in range(len(tokens) // BLOCK):
-        hashes.append(hash_block(hashes[-1] if hashes else None, tuple(tokens[i * BLOCK : (i + 1) * BLOCK]), (DEFAULT_MODEL, salt)))
-    return hashes
+    return hash_blocks(tokens, BLOCK, (DEFAULT_MODEL, salt))
 
 
 def _wait_in_tier(catalog: Catalog, hashes: list[int]) -> None:
