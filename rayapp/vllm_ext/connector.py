@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from rayapp.config import KVTierConfig
 from rayapp.engine.kv_events import BlockHash
 from rayapp.kvtier.embedded import start_embedded_database
+from rayapp.kvtier.records import BlockLocation
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -122,12 +123,13 @@ class BlockRun:
 
 @dataclass(frozen=True)
 class Load:
-    """Blocks `start_block` onwards of the chain `chain` go into the pages `block_ids`."""
+    """The tier blocks at `locations` (a run of a prompt's chain, after the block `parent`) go into the pages
+    `block_ids`. Where the catalog said they are travels with the load, so the worker asks only the stores."""
 
     request_id: str
-    chain: tuple[BlockHash, ...]
-    token_ids: tuple[int, ...]  # the tokens of every block of `chain`
-    start_block: int
+    parent: BlockHash | None
+    token_ids: tuple[int, ...]  # block_size per block
+    locations: tuple[BlockLocation, ...]
     block_ids: tuple[int, ...]
     cache_salt: str
 

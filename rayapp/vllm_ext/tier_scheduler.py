@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from rayapp.engine.kv_events import BlockHash, hash_block
 from rayapp.kvtier.catalog import Catalog
+from rayapp.kvtier.records import ChainMatch
 from rayapp.vllm_ext.connector import BlockRun, Load, TierMetadata, TierSettings
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class _Tracked:
     hashes: list[BlockHash] = field(default_factory=list)
     # (local hit, tokens) of the last lookup, and its answer: asked again only when the request changed.
     lookup: tuple[tuple[int, int], int] | None = None
+    match: ChainMatch = ChainMatch()
     load: Load | None = None
     loaded_tokens: int = 0
     missed_tokens: int = 0
@@ -78,16 +80,16 @@ class TierScheduler:
             hashes.append(hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs]), (self.settings.model_id, salt)))
         return hashes[:num_blocks]
 
-    def _present(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of `hashes` the tier holds, as far as the catalog answers in time."""
+    def _present(self, hashes: Sequence[BlockHash]) -> ChainMatch:
+        """The leading blocks of `hashes` the tier holds, and where, as far as the catalog answers in time."""
         if self._stuck is not None and not self._stuck.done():
             self.counters["lookups_skipped"] += 1
-            return 0
+            return ChainMatch()
         self.counters["lookups"] += 1
         self._stuck = None
         future = self._pool.submit(self.catalog.longest_chain, list(hashes))
         try:
-            return future.result(timeout=self.settings.lookup_deadline_s).num_present
+            return future.result(timeout=self.settings.lookup_deadline_s)
         except concurrent.futures.TimeoutError:
             self.counters["lookups_timed_out"] += 1
             logger.warning(
@@ -95,10 +97,10 @@ class TierScheduler:
                 self.settings.lookup_deadline_s,
             )
             self._stuck = future
-            return 0
+            return ChainMatch()
         except Exception:  # the tier is a cache: an unexpected error is a miss
             logger.exception("cluster KV tier: catalog lookup failed")
-            return 0
+            return ChainMatch()
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens past vLLM's (block-aligned) local hit that the tier holds and that pay to load."""
@@ -112,8 +114,8 @@ class TierScheduler:
         key = (num_computed_tokens, request.num_tokens)
         if tracked.lookup is not None and tracked.lookup[0] == key:
             return tracked.lookup[1]
-        present = self._present(self._hashes(tracked, num_blocks))
-        gain = present * self.block_size - num_computed_tokens
+        tracked.match = self._present(self._hashes(tracked, num_blocks))
+        gain = tracked.match.num_present * self.block_size - num_computed_tokens
         tokens = gain if gain >= self.settings.min_load_tokens else 0
         tracked.lookup = (key, tokens)
         return tokens
@@ -127,9 +129,9 @@ class TierScheduler:
         bs = self.block_size
         tracked.load = Load(
             request_id=request.request_id,
-            chain=tuple(self._hashes(tracked, end)),
-            token_ids=tuple(request.all_token_ids[: end * bs]),
-            start_block=start,
+            parent=tracked.hashes[start - 1] if start else None,
+            token_ids=tuple(request.all_token_ids[start * bs : end * bs]),
+            locations=tracked.match.locations[start:end],
             block_ids=tuple(block_ids[start:end]),
             cache_salt=request.cache_salt or "",
         )

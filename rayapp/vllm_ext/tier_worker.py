@@ -1,8 +1,10 @@
 """The worker half of `RayappKVTierConnector`: tier blocks into vLLM's pages, and pages into the tier.
 
 Runs in vLLM's worker process, which joins the Ray cluster (the node's `KVTierStore` actor owns the
-blocks) and keeps one `KVTierClient`. Loads run on a thread of their own, each request's blocks
-fetched, verified (hash, parent, token ids, tenant, model by the tier's loader; dtype and shape
+blocks) and keeps one `KVTierClient` for writes. Loads run on threads of their own, each request's
+blocks fetched from the stores the scheduler's lookup named (no second catalog round trip, and
+no wait on a database that froze since: a store that does not answer is a miss after
+`LOAD_TIMEOUT_S`), verified (hash, parent, token ids, tenant, model by the tier's loader; dtype and shape
 here) and copied into the pages vLLM allocated, while other requests keep stepping; the first block
 that is missing or refused ends the load, and its pages and the rest are reported failed, so vLLM
 recomputes them. Saves copy the step's newly full pages after the forward and queue them for the
@@ -23,6 +25,8 @@ from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 
 from rayapp.engine.kv_events import BlockRemoved, BlockStored
 from rayapp.kvtier.client import KVTierClient
+from rayapp.kvtier.loader import load_chain
+from rayapp.kvtier.records import ChainMatch
 from rayapp.vllm_ext.connector import TIER_MEDIUM, BlockRun, Load, TierSettings
 from rayapp.vllm_ext.pages import PagedKV
 
@@ -89,18 +93,30 @@ class TierWorker:
         self._failed_pages: set[int] = set()
 
     def register(self, kv_caches: dict[str, Any]) -> None:
-        """Take vLLM's KV caches; refuses a layout `PagedKV` cannot read (vLLM then fails to start)."""
+        """Take vLLM's KV caches. A layout `PagedKV` cannot read turns the tier off for this engine (one error
+        in the log): nothing is saved, and every load the scheduler plans fails, so vLLM recomputes."""
         isa = getattr(self._forward_context.get(next(iter(kv_caches), "")), "isa", None)
-        self.pages = PagedKV.from_registered(kv_caches, self.block_size, self.num_kv_heads, self.head_dim, isa)
+        try:
+            self.pages = PagedKV.from_registered(kv_caches, self.block_size, self.num_kv_heads, self.head_dim, isa)
+        except ValueError as error:
+            logger.error("cluster KV tier off for this engine: %s", error)
 
     def start_loads(self, loads: list[Load]) -> None:
         for load in loads:
             self._pool.submit(self._load, load)
 
     def _load(self, load: Load) -> None:
+        loaded = 0 if self.pages is None else self._install(load)
+        with self._lock:
+            self._finished[load.request_id] = list(load.block_ids[loaded:])
+
+    def _install(self, load: Load) -> int:
+        """Fetch, check and copy in the load's blocks; how many leading ones made it."""
         loaded = 0
         try:
-            blocks = self.client.fetch(load.chain, load.token_ids, load.cache_salt, load.start_block)
+            match = ChainMatch(len(load.locations), load.locations)
+            keys = (self.client.model_id, load.cache_salt)
+            blocks = load_chain(match, load.token_ids, self.block_size, keys, load.parent)
             for block, page in zip(blocks, load.block_ids):
                 if tuple(block.key.shape) != self.pages.block_shape or block.key.dtype != self.pages.dtype:
                     logger.warning(
@@ -113,8 +129,7 @@ class TierWorker:
                 loaded += 1
         except Exception:  # the tier is a cache: whatever went wrong, vLLM recomputes what did not load
             logger.exception("cluster KV tier: loading request %s failed", load.request_id)
-        with self._lock:
-            self._finished[load.request_id] = list(load.block_ids[loaded:])
+        return loaded
 
     def finished_loads(self) -> set[str]:
         """Requests whose load ended since the last call; their failed pages go to `take_failed_blocks`."""
@@ -130,6 +145,8 @@ class TierWorker:
         return failed
 
     def save(self, runs: list[BlockRun]) -> None:
+        if self.pages is None:
+            return
         for run in runs:
             key, value = self.pages.gather(run.block_ids)  # [L, n, bs, H, D] copies: the pages may be reused
             stored = BlockStored(run.block_hashes, run.parent, run.token_ids, self.block_size)

@@ -17,25 +17,30 @@ import numpy as np
 import psutil
 import pytest
 import ray
+import torch
 
 pytest.importorskip("vllm")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from rayapp.config import KVTierConfig  # noqa: E402
-from rayapp.engine.kv_events import hash_blocks  # noqa: E402
+from rayapp.engine.kv_events import BlockHash, hash_blocks  # noqa: E402
 from rayapp.kvtier.catalog import Catalog  # noqa: E402
+from rayapp.kvtier.codec import KVBlock, encode_block  # noqa: E402
 from rayapp.kvtier.embedded import NAMESPACE, start_embedded_database, stop_embedded_database  # noqa: E402
-from rayapp.kvtier.records import BlockRow  # noqa: E402
+from rayapp.kvtier.records import BlockLocation, BlockRow  # noqa: E402
 from rayapp.kvtier.store import store_name  # noqa: E402
 from rayapp.models.loader import DEFAULT_MODEL, resolve_model  # noqa: E402
 from rayapp.vllm_ext.connector import (  # noqa: E402
     LOADED_TOKENS_PARAM,
     MISSED_TOKENS_PARAM,
+    BlockRun,
+    Load,
     TierSettings,
     kv_transfer_config,
 )
 from rayapp.vllm_ext.tier_scheduler import TierScheduler  # noqa: E402
+from rayapp.vllm_ext.tier_worker import TierWorker  # noqa: E402
 
 BLOCK = 128
 HEADS, HEAD_DIM = 3, 64
@@ -110,6 +115,16 @@ def test_history_loads_from_the_tier_into_an_empty_cache(tier, history):
     assert out.outputs[0].token_ids == history.recomputed
 
 
+def _vllm_config() -> SimpleNamespace:
+    """The parts of vLLM's config the connector's halves read, for driving them without an engine."""
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        model_config=SimpleNamespace(get_num_kv_heads=lambda _parallel: HEADS, get_head_size=lambda: HEAD_DIM),
+        parallel_config=None,
+        compilation_config=SimpleNamespace(static_forward_context={}),
+    )
+
+
 def _store():
     return ray.get_actor(store_name(ray.get_runtime_context().get_node_id()), namespace=NAMESPACE)
 
@@ -145,6 +160,33 @@ def test_blocks_of_a_store_that_is_gone_are_recomputed(tier, history):
     assert out.outputs[0].token_ids == history.recomputed
 
 
+def test_a_block_of_another_dtype_is_refused_never_misread(tier, history):
+    # A block another engine wrote for these very tokens and tenant, in float32: identity right, layout not.
+    salt, tokens = "fp32-writer", history.tokens[:BLOCK]
+    (block_hash,) = _hashes(tokens, salt=salt)
+    kv = torch.zeros(30, BLOCK, HEADS, HEAD_DIM, dtype=torch.float32)
+    block = KVBlock(block_hash, None, tuple(tokens), DEFAULT_MODEL, kv, kv.clone(), salt)
+    assert ray.get(_store().put_many.remote([np.frombuffer(encode_block(block), np.uint8)])).kept == (True,)
+    out = _generate(tier.llm, history.tokens, salt=salt)
+    assert out.kv_transfer_params == {MISSED_TOKENS_PARAM: BLOCK}
+    assert out.outputs[0].token_ids == history.recomputed
+
+
+def test_an_engine_whose_pages_the_tier_cannot_read_serves_without_it(tier):
+    settings = TierSettings(dsn=tier.dsn, model_id=DEFAULT_MODEL)
+    worker = TierWorker(settings, _vllm_config())
+    worker.register({"layer.0": torch.zeros(4, 1, BLOCK, 576)})  # MLA's latent cache, say
+    worker.save([BlockRun((0,), (BlockHash(1),), None, tuple(range(BLOCK)), "")])  # nothing to copy: skipped
+    location = BlockLocation(BlockHash(1), 0, "node", "store", 1 << 20, BLOCK)
+    worker.start_loads([Load("r", None, tuple(range(BLOCK)), (location,), (3,), "")])
+    deadline = time.monotonic() + 10
+    while not (finished := worker.finished_loads()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert finished == {"r"} and worker.take_failed_blocks() == {3}  # reported failed: vLLM recomputes page 3
+    worker.close()
+
+
 def _postgres_processes(dsn: str) -> list[psutil.Process]:
     port = int(dict(part.split("=", 1) for part in dsn.split())["port"])
     for proc in psutil.process_iter(["name", "cmdline"]):
@@ -155,12 +197,7 @@ def _postgres_processes(dsn: str) -> list[psutil.Process]:
 
 def test_a_frozen_catalog_costs_one_deadline_then_is_skipped(tier):
     settings = TierSettings(dsn=tier.dsn, model_id=DEFAULT_MODEL, lookup_deadline_s=0.2)
-    vllm_config = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=BLOCK),
-        model_config=SimpleNamespace(get_num_kv_heads=lambda _parallel: HEADS, get_head_size=lambda: HEAD_DIM),
-        parallel_config=None,
-    )
-    scheduler = TierScheduler(settings, vllm_config)
+    scheduler = TierScheduler(settings, _vllm_config())
     tokens = list(range(1000, 1000 + 4 * BLOCK + 1))
 
     def request(n: int) -> SimpleNamespace:
