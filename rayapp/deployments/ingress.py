@@ -10,6 +10,7 @@ after Serve rewrites the route methods' signatures.
 import asyncio
 import dataclasses
 import hashlib
+import hmac
 import json
 import time
 import uuid
@@ -37,6 +38,9 @@ from rayapp.prefix_router.actor import prefix_index
 
 # A request whose replica dies is moved to another replica at most this many times.
 MAX_REPLICA_FAILURES = 3
+# Seconds a client told 429 (requests in flight at their limit) is asked to wait before retrying (Retry-After,
+# which OpenAI's clients honour): the limit frees up as answers finish, not at a time the ingress knows.
+RETRY_AFTER_S = 1
 
 app = FastAPI(title="rayapp")
 # Requests by (endpoint, status). Kept on the app's state: serve.ingress serves a frozen copy of
@@ -53,7 +57,7 @@ async def _count(request: Request, call_next):
 
 @app.exception_handler(APIError)
 async def _api_error(_: Request, error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 @app.exception_handler(Exception)
@@ -258,7 +262,9 @@ class OpenAIIngress:
         if not self.config.api_keys:
             return ""
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or key not in self.config.api_keys:
+        # Every key compared, each in constant time: the answer's timing says nothing about how close a guess was.
+        matches = [hmac.compare_digest(key.encode(), known.encode()) for known in self.config.api_keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(
                 401, "missing or incorrect API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
             )
@@ -295,6 +301,7 @@ class OpenAIIngress:
                 f"the server is at its limit of {self.config.max_queued_requests} requests in flight; retry later",
                 type_="rate_limit_exceeded",
                 code="rate_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         # The tenant salts the hashes: different API keys (or users, without keys) never share pages.
         owner = tenant or body.user or ""

@@ -208,7 +208,7 @@ def test_context_too_long_says_the_limit(base_url):
 
 
 def test_missing_or_wrong_api_key_is_401(base_url):
-    for key in (None, "wrong"):
+    for key in (None, "wrong", KEY[:-1], KEY + "x", KEY.upper()):  # near misses too
         assert (
             _error(_post(base_url, {"model": MODEL, "messages": QUESTION}, key=key), 401)["code"] == "invalid_api_key"
         )
@@ -251,8 +251,10 @@ def test_a_full_admission_queue_answers_429_and_the_server_recovers(base_url, cl
         async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300) as http:
             return await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(60)))
 
-    statuses = [r.status_code for r in asyncio.run(burst())]
+    responses = asyncio.run(burst())
+    statuses = [r.status_code for r in responses]
     assert set(statuses) == {200, 429} and statuses.count(429) >= 1
+    assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 429)
     assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4).choices[0].message.content
 
 
