@@ -1,8 +1,8 @@
 """The cluster tier's catalog: one row per stored block, in openGauss or PostgreSQL with pgvector.
 
-All of rayapp's SQL lives in this module. `CatalogSQL` renders the statements of one dialect (pure
-text, so the openGauss ones are testable without an openGauss server); `Catalog` runs them through
-a psycopg 3 connection pool with parameters only, never with values spliced into the text.
+All of rayapp's SQL is `CatalogSQL` (`rayapp.kvtier.catalog_sql`), which renders the statements of one
+dialect (pure text, so the openGauss ones are testable without an openGauss server); `Catalog` runs
+them through a psycopg 3 connection pool with parameters only, never with values spliced into the text.
 
 The catalog is consulted per request, never per token. When the database cannot be reached the
 catalog disables itself with one warning and answers as if it were empty (writes return False);
@@ -16,19 +16,18 @@ for the moment between an eviction and the row's removal.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from rayapp.kvtier.catalog_sql import NODE_INDEX, TABLE, UPSERT_COLUMNS, CatalogSQL, Dialect, detect_dialect
 from rayapp.kvtier.records import (
     BlockKey,
     BlockLocation,
@@ -51,125 +50,8 @@ _T = TypeVar("_T")
 MAX_REPRESENTATION_DIM = 16_000
 # Serializes the DDL of concurrent first starts (two stores creating the table at once).
 _DDL_LOCK_KEY = 0x7261796170706B76
-
-TABLE = "kv_blocks"
 # Rows per INSERT statement: 10 parameters a row stays far below the protocol's 65,535 per statement.
 _UPSERT_CHUNK_ROWS = 1000
-_NODE_INDEX = "kv_blocks_node_idx"
-
-
-class Dialect(enum.Enum):
-    POSTGRESQL = "postgresql"
-    OPENGAUSS = "opengauss"
-
-
-def detect_dialect(version: str) -> Dialect:
-    """The dialect of a server from its `SELECT version()` text.
-
-    openGauss (and GaussDB, its commercial sibling) report a PostgreSQL 9.2 version string with
-    their own name in it, e.g. "(openGauss 6.0.0 build ...)".
-    """
-    text = version.lower()
-    return Dialect.OPENGAUSS if "opengauss" in text or "gaussdb" in text else Dialect.POSTGRESQL
-
-
-_LOCATION_COLUMNS = "block_hash, layer_group, node_id, store_name, nbytes, num_tokens"
-_RETURNING_KEYS = "RETURNING block_hash, layer_group"
-_UPSERT_COLUMNS = (
-    "block_hash", "parent_hash", "model_id", "cache_salt", "layer_group",
-    "node_id", "store_name", "nbytes", "num_tokens", "representation",
-)  # fmt: skip
-# The key columns cannot be updated by openGauss's ON DUPLICATE KEY UPDATE; created_at keeps the first write.
-_UPDATED_COLUMNS = tuple(c for c in _UPSERT_COLUMNS if c not in ("block_hash", "layer_group")) + ("last_used",)
-
-
-@dataclass(frozen=True)
-class CatalogSQL:
-    """The catalog's statements for one dialect. Every value is a `%(name)s` parameter."""
-
-    dialect: Dialect
-    representation_dim: int
-
-    def create_extension(self) -> str | None:
-        # openGauss ships DataVec's `vector` type built in; PostgreSQL needs the pgvector extension.
-        return "CREATE EXTENSION IF NOT EXISTS vector" if self.dialect is Dialect.POSTGRESQL else None
-
-    def lock_ddl(self) -> str:
-        return "SELECT pg_advisory_xact_lock(%(key)s)"
-
-    def create_table(self) -> str:
-        return (
-            f"CREATE TABLE IF NOT EXISTS {TABLE} (block_hash BIGINT NOT NULL, parent_hash BIGINT NULL, "
-            "model_id TEXT NOT NULL, cache_salt TEXT NOT NULL, layer_group INTEGER NOT NULL, node_id TEXT NOT NULL, "
-            "store_name TEXT NOT NULL, nbytes BIGINT NOT NULL, num_tokens INTEGER NOT NULL, "
-            f"representation vector({self.representation_dim}) NULL, "
-            "created_at TIMESTAMPTZ NOT NULL DEFAULT now(), last_used TIMESTAMPTZ NOT NULL DEFAULT now(), "
-            "PRIMARY KEY (block_hash, layer_group))"
-        )
-
-    def index_exists(self) -> str:
-        return "SELECT 1 FROM pg_class WHERE relname = %(name)s AND relkind = 'i'"
-
-    def create_node_index(self) -> str:
-        return f"CREATE INDEX {_NODE_INDEX} ON {TABLE} (node_id)"
-
-    def representation_typmod(self) -> str:
-        # pgvector and DataVec both keep a vector column's dimension as its type modifier.
-        return (
-            "SELECT a.atttypmod FROM pg_attribute a JOIN pg_class c ON a.attrelid = c.oid "
-            "WHERE c.relname = %(table)s AND a.attname = 'representation' AND pg_table_is_visible(c.oid)"
-        )
-
-    def upsert(self, num_rows: int) -> str:
-        """One multi-row statement (a single round trip) for `num_rows` rows of positional parameters,
-        `_UPSERT_COLUMNS` in order per row."""
-        one = ", ".join("%s::vector" if c == "representation" else "%s" for c in _UPSERT_COLUMNS)
-        values = ", ".join([f"({one}, now())"] * num_rows)
-        insert = f"INSERT INTO {TABLE} ({', '.join(_UPSERT_COLUMNS)}, last_used) VALUES {values}"
-        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in _UPDATED_COLUMNS)
-        if self.dialect is Dialect.OPENGAUSS:
-            return f"{insert} ON DUPLICATE KEY UPDATE {updates}"
-        return f"{insert} ON CONFLICT (block_hash, layer_group) DO UPDATE SET {updates}"
-
-    def locate(self) -> str:
-        return (
-            f"SELECT {_LOCATION_COLUMNS} FROM {TABLE} "
-            "WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[])"
-        )
-
-    def topk_inner_product(self) -> str:
-        # `<#>` is the negative inner product on both pgvector and DataVec: ascending = most relevant first.
-        return (
-            f"SELECT {_LOCATION_COLUMNS}, representation <#> %(query)s::vector AS distance FROM {TABLE} "
-            "WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[]) "
-            "AND representation IS NOT NULL ORDER BY distance LIMIT %(k)s"
-        )
-
-    # Deletes return the keys of the rows they removed: those blocks left the tier, and the prefix
-    # router must hear so (`KVTierStore` reports them). Both dialects support DELETE ... RETURNING.
-    def delete_node(self) -> str:
-        return f"DELETE FROM {TABLE} WHERE node_id = %(node_id)s {_RETURNING_KEYS}"
-
-    def delete_nodes_except(self) -> str:
-        return f"DELETE FROM {TABLE} WHERE NOT (node_id = ANY(%(alive)s::text[])) {_RETURNING_KEYS}"
-
-    def delete_hashes(self, *, guarded: bool) -> str:
-        sql = f"DELETE FROM {TABLE} WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[])"
-        # A guarded delete removes only rows that still point at the caller's store: after another
-        # store re-wrote the block, the row is that store's and must stay.
-        if guarded:
-            sql += " AND node_id = %(node_id)s AND store_name = %(store_name)s"
-        return f"{sql} {_RETURNING_KEYS}"
-
-    def usage(self, *, per_node: bool) -> str:
-        sql = f"SELECT count(*), COALESCE(SUM(nbytes), 0) FROM {TABLE}"
-        return sql + " WHERE node_id = %(node_id)s" if per_node else sql
-
-    def touch(self) -> str:
-        return (
-            f"UPDATE {TABLE} SET last_used = now() "
-            "WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[])"
-        )
 
 
 def _vector_text(values: Sequence[float] | np.ndarray, dim: int, what: str) -> str:
@@ -287,7 +169,7 @@ class Catalog:
             if extension is not None:
                 conn.execute(extension)
             conn.execute(sql.create_table())
-            if conn.execute(sql.index_exists(), {"name": _NODE_INDEX}).fetchone() is None:
+            if conn.execute(sql.index_exists(), {"name": NODE_INDEX}).fetchone() is None:
                 conn.execute(sql.create_node_index())
             typmod = conn.execute(sql.representation_typmod(), {"table": TABLE}).fetchone()[0]
         if typmod != self.representation_dim:
@@ -341,13 +223,13 @@ class Catalog:
         """
         values: dict[tuple[int, int], tuple[Any, ...]] = {}
         for row in rows:
-            v = {c: getattr(row, c) for c in _UPSERT_COLUMNS}
+            v = {c: getattr(row, c) for c in UPSERT_COLUMNS}
             v["block_hash"] = to_db_hash(row.block_hash)
             v["parent_hash"] = None if row.parent_hash is None else to_db_hash(row.parent_hash)
             if row.representation is not None:
                 v["representation"] = _vector_text(row.representation, self.representation_dim, "representation")
             # One statement may not touch a key twice (both dialects refuse): the last write wins.
-            values[(v["block_hash"], row.layer_group)] = tuple(v[c] for c in _UPSERT_COLUMNS)
+            values[(v["block_hash"], row.layer_group)] = tuple(v[c] for c in UPSERT_COLUMNS)
         if not values:
             return self.available
         batch = list(values.values())
