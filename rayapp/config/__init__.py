@@ -1,7 +1,14 @@
 """rayapp's settings: the engine's frozen dataclasses (`rayapp.config.engine`) and the Serve
 application's Pydantic models that validate `rayapp.config.yaml` (`rayapp.config.app`)."""
 
-from rayapp.config.app import AppConfig, KVTierSettings, LayerwiseSettings, RouterConfig, SparseSettings
+from rayapp.config.app import (
+    AppConfig,
+    KVTierSettings,
+    LayerwiseSettings,
+    LimitSettings,
+    RouterConfig,
+    SparseSettings,
+)
 from rayapp.config.engine import (
     DTYPES,
     REPRESENTATIONS,
@@ -26,6 +33,7 @@ __all__ = [
     "KVTierSettings",
     "LayerwiseConfig",
     "LayerwiseSettings",
+    "LimitSettings",
     "ModelConfig",
     "RouterConfig",
     "SchedulerConfig",

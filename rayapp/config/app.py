@@ -124,6 +124,20 @@ class KVTierSettings(BaseModel):
         return KVTierConfig.from_env(**{k: getattr(self, k) for k in self.model_fields_set})
 
 
+class LimitSettings(BaseModel):
+    """`limits:` of the app config: how big a request may be, checked by the ingress before any work on it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_request_bytes: int = Field(4 << 20, ge=1, description="Largest request body in bytes; larger ones get 413")
+    max_messages: int = Field(2048, ge=1, description="Most messages in one chat request")
+    max_prompt_chars: int = Field(
+        1_000_000, ge=1, description="Most characters of message contents (chat) or of the prompt (completions)"
+    )
+    max_stop_strings: int = Field(64, ge=0, description="Most stop strings in one request")
+    max_stop_chars: int = Field(1024, ge=1, description="Longest stop string, in characters")
+
+
 class LayerwiseSettings(BaseModel):
     """`layerwise:` of the app config; the same fields as `LayerwiseConfig`."""
 
@@ -203,11 +217,18 @@ class AppConfig(BaseModel):
     replicas: int = Field(1, ge=1, description="Number of LLMReplica deployments' replicas (one engine each)")
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per replica (fractional values pack replicas)")
     api_keys: list[str] = Field(
-        default_factory=list, description="Accepted bearer tokens; empty: no authentication. Each key is a tenant"
+        default_factory=list,
+        description="Accepted bearer tokens, besides those of api_keys_file and of the ingress' RAYAPP_API_KEYS "
+        "environment variable (comma-separated); none anywhere: no authentication. Each key is a tenant",
     )
+    api_keys_file: str | None = Field(
+        None, description="A file of accepted bearer tokens, one per line (a mounted Kubernetes Secret, say)"
+    )
+    authenticate_metrics: bool = Field(False, description="Ask for an API key on /metrics too")
     max_queued_requests: int = Field(
         256, ge=1, description="Requests admitted at once across replicas; more get HTTP 429"
     )
+    limits: LimitSettings = Field(default_factory=LimitSettings, description="Request size limits")
     router: RouterConfig = Field(default_factory=RouterConfig, description="Request routing across replicas")
     sparse: SparseSettings = Field(
         default_factory=SparseSettings, description="Sparse retrieval attention (RetrievalKV) for long prompts"

@@ -62,6 +62,8 @@ class RayappBackend:
             prompt_token_ids=request.prompt_token_ids,
             cache_salt=request.cache_salt,
             block_hashes=request.block_hashes,
+            delivered_tokens=request.delivered_tokens,
+            delivered_chars=request.delivered_chars,
         )
         async for out in stream:
             completion = out.outputs[0]

@@ -12,11 +12,14 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import logging
+import os
 import time
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
 from rayapp.config import AppConfig
-from rayapp.deployments.metrics import metrics_hub, render_prometheus
+from rayapp.deployments.metrics import HubClient, render_prometheus
 from rayapp.deployments.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
 from rayapp.engine.kv_events import hash_blocks
@@ -36,11 +39,21 @@ from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
 from rayapp.models.tokenizer import chat_token_ids, load_tokenizer
 from rayapp.prefix_router.actor import prefix_index
 
+logger = logging.getLogger(__name__)
+
 # A request whose replica dies is moved to another replica at most this many times.
 MAX_REPLICA_FAILURES = 3
 # Seconds a client told 429 (requests in flight at their limit) is asked to wait before retrying (Retry-After,
 # which OpenAI's clients honour): the limit frees up as answers finish, not at a time the ingress knows.
 RETRY_AFTER_S = 1
+# Bodies longer than this are parsed, templated and tokenized on a thread of their own, so the event
+# loop goes on answering `/health` and small requests meanwhile.
+OFF_LOOP_BYTES = 64 << 10
+# More accepted API keys, comma-separated, from the ingress' environment (a Kubernetes Secret, say).
+API_KEYS_ENV = "RAYAPP_API_KEYS"
+# The `endpoint` label values of rayapp_http_requests_total: the routes, and one value for any other path.
+ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"})
+OTHER_PATH = "other"
 
 app = FastAPI(title="rayapp")
 # Requests by (endpoint, status). Kept on the app's state: serve.ingress serves a frozen copy of
@@ -50,8 +63,13 @@ app.state.http_requests = Counter()
 
 @app.middleware("http")
 async def _count(request: Request, call_next):
-    response = await call_next(request)
-    request.app.state.http_requests[(request.url.path, str(response.status_code))] += 1
+    endpoint = request.url.path if request.url.path in ROUTES else OTHER_PATH
+    try:
+        response = await call_next(request)
+    except Exception:  # answered 500 by the handler below, outside this middleware
+        request.app.state.http_requests[(endpoint, "500")] += 1
+        raise
+    request.app.state.http_requests[(endpoint, str(response.status_code))] += 1
     return response
 
 
@@ -62,19 +80,54 @@ async def _api_error(_: Request, error: APIError) -> JSONResponse:
 
 @app.exception_handler(Exception)
 async def _internal_error(_: Request, error: Exception) -> JSONResponse:
-    # Not the client's fault (a replica died, a bug): say so in the same shape, never a bare 500 page.
-    body = APIError(500, f"internal error: {type(error).__name__}: {error}", type_="internal_error").body()
-    return JSONResponse(body, status_code=500)
+    # Not the client's fault (a replica died, a bug): said in the same shape, never a bare 500 page, and
+    # without the exception's text (it can hold addresses, paths or data); the log has it, under the incident.
+    incident = uuid.uuid4().hex[:12]
+    logger.error("internal error, incident %s", incident, exc_info=error)
+    message = f"internal error (incident {incident}; the server's log has the details)"
+    return JSONResponse(APIError(500, message, type_="internal_error").body(), status_code=500)
 
 
-async def _json(request: Request) -> Any:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to pass `limit` bytes (declared or as received)."""
+    too_large = APIError(
+        413, f"the request body is larger than this server's limit of {limit} bytes", code="request_too_large"
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode_json(raw: bytes) -> Any:
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
         # JSON escapes can spell lone surrogates, which no tokenizer accepts: refuse them here.
         json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except (json.JSONDecodeError, UnicodeError) as error:
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    except ValueError as error:  # not JSON, not UTF-8, or an integer literal too long to convert
         raise APIError(400, f"the request body is not valid JSON text: {error}") from None
     return body
+
+
+def _api_keys(config: AppConfig) -> tuple[str, ...]:
+    """Every accepted key: `api_keys`, the lines of `api_keys_file`, and `RAYAPP_API_KEYS` (comma-separated)."""
+    keys = list(config.api_keys)
+    if config.api_keys_file is not None:
+        try:
+            lines = Path(config.api_keys_file).read_text().splitlines()
+        except OSError as error:
+            raise ValueError(f"api_keys_file {config.api_keys_file!r} cannot be read: {error.strerror}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    return tuple(keys)
 
 
 def _event(obj: dict[str, Any]) -> str:
@@ -122,6 +175,7 @@ class _Generation:
     def __init__(self, ingress: Any, request: EngineRequest) -> None:
         self.ingress, self.request = ingress, request
         self.generated: list[int] = []
+        self.delivered_chars = 0
         self.failures = 0
         self.released = False
         ingress.inflight += 1
@@ -143,6 +197,7 @@ class _Generation:
                 self._move()
                 continue
             self.generated.extend(item.token_ids)
+            self.delivered_chars += len(item.text)
             if item.usage is not None:
                 prompt_tokens = len(self.request.prompt_token_ids)
                 usage = Usage(prompt_tokens, len(self.generated), min(item.usage.cached_tokens, prompt_tokens))
@@ -163,7 +218,8 @@ class _Generation:
         if sampling.max_tokens is not None:
             sampling = dataclasses.replace(sampling, max_tokens=max(1, sampling.max_tokens - len(self.generated)))
         ids = self.request.prompt_token_ids + self.generated
-        return self.ingress.generate_request(ids, self.request.cache_salt, sampling, self.request.prompt)
+        request = self.ingress.generate_request(ids, self.request.cache_salt, sampling, self.request.prompt)
+        return dataclasses.replace(request, delivered_tokens=len(self.generated), delivered_chars=self.delivered_chars)
 
     def release(self, cancel: bool) -> None:
         if self.released:
@@ -185,6 +241,11 @@ class OpenAIIngress:
         path = resolve_model(self.config.model)
         spec = ModelSpec.from_dir(path)
         self.tokenizer = load_tokenizer(path)
+        # Large requests are prepared on one thread with a tokenizer of its own: a fast tokenizer must not be
+        # used by two threads at once.
+        self._bulk_tokenizer = load_tokenizer(path)
+        self._bulk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayapp-ingress-bulk")
+        self.api_keys = _api_keys(self.config)
         self.vocab_size = spec.vocab_size
         # The engine's model id: block hashes computed here must equal the replicas' own.
         self.model_id = self.config.model or DEFAULT_MODEL
@@ -198,7 +259,7 @@ class OpenAIIngress:
         # Requests moved to another replica because theirs died.
         self.moved_requests = 0
         app_name = serve.get_replica_context().app_name
-        self.hub = metrics_hub(app_name)
+        self.hub = HubClient(app_name)
         self.prefix_index = prefix_index(app_name, self.config.router)
 
     @app.get("/health")
@@ -211,7 +272,12 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
-        replicas, routers = await asyncio.gather(self.hub.snapshots.remote(), self.hub.routers.remote())
+        if self.config.authenticate_metrics:
+            self._authenticate(request)
+        try:
+            replicas, routers = await asyncio.gather(self.hub.call("snapshots"), self.hub.call("routers"))
+        except Exception:  # the hub is being replaced: the ingress' own series answer meanwhile
+            replicas, routers = {}, {}
         try:
             index = await asyncio.wait_for(self.prefix_index.stats.remote(), timeout=1)
         except Exception:  # the index is restarting: its gauges are left out this time
@@ -235,35 +301,78 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         tenant = self._authenticate(request)
-        body = parse(ChatCompletionRequest, await _json(request))
-        self._check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = chat_token_ids(self.tokenizer, messages)
-        except ValueError as error:  # e.g. a model without a chat template
-            raise APIError(400, str(error), param="messages") from None
+        body, ids, messages = await self._prepare(request, self._prepare_chat)
         return await self._serve(body, ids, tenant, "chat.completion", messages)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         tenant = self._authenticate(request)
-        body = parse(CompletionRequest, await _json(request))
+        body, ids = await self._prepare(request, self._prepare_completion)
+        return await self._serve(body, ids, tenant, "text_completion", body.prompt)
+
+    async def _prepare(self, request: Request, prepare: Callable[[bytes, Any], Any]) -> Any:
+        """`prepare(body bytes, tokenizer)`, on the event loop for a small body, on the bulk thread for a large one."""
+        raw = await _read_body(request, self.config.limits.max_request_bytes)
+        if len(raw) <= OFF_LOOP_BYTES:
+            return prepare(raw, self.tokenizer)
+        return await asyncio.get_running_loop().run_in_executor(self._bulk, prepare, raw, self._bulk_tokenizer)
+
+    def _prepare_chat(self, raw: bytes, tokenizer: Any) -> tuple[ChatCompletionRequest, list[int], list[dict]]:
+        body = parse(ChatCompletionRequest, _decode_json(raw))
         self._check_model(body.model)
+        limits = self.config.limits
+        if len(body.messages) > limits.max_messages:
+            raise APIError(
+                400, f"{len(body.messages)} messages are more than this server's limit of {limits.max_messages}",
+                param="messages",
+            )  # fmt: skip
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self._check_sizes(body, sum(len(m["content"]) for m in messages), "messages")
+        try:
+            ids = chat_token_ids(tokenizer, messages)
+        except ValueError as error:  # e.g. a model without a chat template
+            raise APIError(400, str(error), param="messages") from None
+        return body, ids, messages
+
+    def _prepare_completion(self, raw: bytes, tokenizer: Any) -> tuple[CompletionRequest, list[int]]:
+        body = parse(CompletionRequest, _decode_json(raw))
+        self._check_model(body.model)
+        self._check_sizes(body, len(body.prompt) if isinstance(body.prompt, str) else 0, "prompt")
         if isinstance(body.prompt, str):
-            ids = self.tokenizer.encode(body.prompt)
+            ids = tokenizer.encode(body.prompt)
         elif all(0 <= t < self.vocab_size for t in body.prompt):
             ids = list(body.prompt)
         else:
             raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        return await self._serve(body, ids, tenant, "text_completion", body.prompt)
+        return body, ids
+
+    def _check_sizes(self, body: Any, prompt_chars: int, param: str) -> None:
+        """The limits on the prompt's characters and on the stop strings, before any templating or tokenizing."""
+        limits = self.config.limits
+        if prompt_chars > limits.max_prompt_chars:
+            raise APIError(
+                400, f"the {param} hold {prompt_chars} characters, more than this server's limit of "
+                f"{limits.max_prompt_chars}", param=param,
+            )  # fmt: skip
+        stops = body.stop_strings
+        if len(stops) > limits.max_stop_strings:
+            raise APIError(
+                400, f"{len(stops)} stop strings are more than this server's limit of {limits.max_stop_strings}",
+                param="stop",
+            )  # fmt: skip
+        if any(len(stop) > limits.max_stop_chars for stop in stops):
+            raise APIError(
+                400, f"a stop string is longer than this server's limit of {limits.max_stop_chars} characters",
+                param="stop",
+            )  # fmt: skip
 
     def _authenticate(self, request: Request) -> str:
         """Check the API key when keys are configured; return the tenant (the key, or else `user`)."""
-        if not self.config.api_keys:
+        if not self.api_keys:
             return ""
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         # Every key compared, each in constant time: the answer's timing says nothing about how close a guess was.
-        matches = [hmac.compare_digest(key.encode(), known.encode()) for known in self.config.api_keys]
+        matches = [hmac.compare_digest(key.encode(), known.encode()) for known in self.api_keys]
         if scheme.lower() != "bearer" or not any(matches):
             raise APIError(
                 401, "missing or incorrect API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"

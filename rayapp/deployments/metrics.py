@@ -9,6 +9,7 @@ Prometheus.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import time
 from dataclasses import dataclass, field
@@ -17,9 +18,12 @@ from typing import Any
 import ray
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from ray.exceptions import RayActorError
 from ray.util import metrics as ray_metrics
 
 PUSH_PERIOD_S = 0.5
+# Seconds a call on the MetricsHub may take before its caller goes on without it.
+HUB_TIMEOUT_S = 2.0
 # A replica silent for this long is gone (dead or scaled down): its numbers leave /metrics.
 STALE_AFTER_S = 10.0
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -211,8 +215,38 @@ def metrics_hub(app_name: str) -> ray.actor.ActorHandle:
     if not ray.is_initialized():
         raise RuntimeError("Ray is not running: the metrics hub cannot be reached")
     return MetricsHub.options(
-        name=f"rayapp-metrics-{app_name}", namespace="rayapp", get_if_exists=True, lifetime="detached"
+        name=f"rayapp-metrics-{app_name}", namespace="rayapp", get_if_exists=True, lifetime="detached", max_restarts=-1
     ).remote()
+
+
+class HubClient:
+    """The application's MetricsHub, as replicas, routers and the ingress call it, surviving the hub's death.
+
+    A hub that crashes is restarted by Ray (the handle stays good); one that was killed, or lost with its
+    node, is created again: the call that finds it dead drops the handle and the next call gets or makes a
+    new hub by name. Replicas and routers push every `PUSH_PERIOD_S`, so a new hub is full again within one.
+    """
+
+    def __init__(self, app_name: str) -> None:
+        self.app_name = app_name
+        self._hub: ray.actor.ActorHandle | None = None
+
+    async def call(self, method: str, *args: Any, timeout_s: float = HUB_TIMEOUT_S) -> Any:
+        """`await hub.<method>(*args)`; raises what the call raised, TimeoutError past `timeout_s`."""
+        if self._hub is None:
+            self._hub = await asyncio.to_thread(metrics_hub, self.app_name)
+        hub = self._hub
+        try:
+            return await asyncio.wait_for(getattr(hub, method).remote(*args), timeout_s)
+        except RayActorError:
+            if self._hub is hub:
+                self._hub = None
+            raise
+
+    def send(self, method: str, *args: Any) -> None:
+        """Fire and forget (from synchronous code, e.g. a replica going away); nothing when no hub was reached."""
+        if self._hub is not None:
+            getattr(self._hub, method).remote(*args)
 
 
 class _Collector:

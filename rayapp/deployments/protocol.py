@@ -53,10 +53,14 @@ class _Sampling(BaseModel):
             top_p=self.top_p,
             top_k=self.top_k,
             max_tokens=max_tokens,
-            stop=self.stop or (),
+            stop=self.stop_strings,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
         )
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @property
     def include_usage(self) -> bool:

@@ -14,7 +14,7 @@ from ray import serve
 
 from rayapp.config import AppConfig
 from rayapp.deployments.engines import backend_class
-from rayapp.deployments.metrics import PUSH_PERIOD_S, ReplicaMetrics, metrics_hub
+from rayapp.deployments.metrics import PUSH_PERIOD_S, HubClient, ReplicaMetrics
 from rayapp.engine.backend import EngineRequest, GenerateDelta
 from rayapp.prefix_router.actor import prefix_index
 from rayapp.prefix_router.publisher import KVEventPublisher
@@ -36,7 +36,7 @@ class LLMReplica:
         backend_cls = backend_cls or backend_class(self.config)
         self.engine = backend_cls.from_app_config(self.config)
         self.metrics = ReplicaMetrics(self.replica)
-        self._hub = metrics_hub(self.app_name)
+        self._hub = HubClient(self.app_name)
         self._index = prefix_index(self.app_name, self.config.router)
         publisher = KVEventPublisher(
             self.replica,
@@ -81,7 +81,7 @@ class LLMReplica:
         while True:
             with contextlib.suppress(Exception):  # metrics must never take a replica down
                 stats = await self.engine.stats()
-                await self._hub.push.remote(self.replica, self.metrics.snapshot(stats))
+                await self._hub.call("push", self.replica, self.metrics.snapshot(stats))
             await asyncio.sleep(PUSH_PERIOD_S)
 
     def __del__(self) -> None:
@@ -90,6 +90,6 @@ class LLMReplica:
             return
         for task in self._tasks:
             task.cancel()
-        self._hub.remove.remote(self.replica)
+        self._hub.send("remove", self.replica)
         self._index.remove_replica.remote(self.replica)
         self.engine.shutdown()

@@ -56,6 +56,8 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
         cache_salt: str = "",
         block_hashes: list[BlockHash] | None = None,
+        delivered_tokens: int = 0,
+        delivered_chars: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes.
 
@@ -65,7 +67,9 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         # Validation and tokenization happen here, on the caller's thread, so errors reach the caller.
-        request = self.engine.prepare_request(request_id, prompt, params, prompt_token_ids, cache_salt, block_hashes)
+        request = self.engine.prepare_request(
+            request_id, prompt, params, prompt_token_ids, cache_salt, block_hashes, delivered_tokens, delivered_chars
+        )
         out_queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
         if self.engine.kv_transfer is not None:

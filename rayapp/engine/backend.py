@@ -34,6 +34,11 @@ class EngineRequest:
     sampling: SamplingParams
     # What the client sent: the prompt text (or token ids), or the chat messages.
     prompt: str | list[int] | list[dict[str, Any]]
+    # A moved request: the last `delivered_tokens` prompt tokens are output another replica already streamed,
+    # with `delivered_chars` characters of text. The backend reads their text again (held-back text and stop
+    # strings spanning the cut come out as if the answer had not moved) and streams only what follows.
+    delivered_tokens: int = 0
+    delivered_chars: int = 0
 
 
 @dataclass(frozen=True)

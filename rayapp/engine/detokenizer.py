@@ -11,7 +11,11 @@ character is still missing bytes and the window simply grows until they arrive.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from transformers import PreTrainedTokenizerBase
+
+from rayapp.engine.stop_strings import StopMatcher
 
 # Prompt tokens decoded before the first output token, as in vLLM: enough context for the
 # tokenizer to decide the first output token's leading space.
@@ -24,7 +28,8 @@ class IncrementalDetokenizer:
 
     Invariants: `text` is all complete output text so far (cut right before a matched stop
     string); the deltas returned so far are a prefix of `text`, and they plus `flush()` are all
-    of it. `text == tokenizer.decode(output_ids, skip_special_tokens=...)`, cut at the stop string,
+    of it (with `delivered_ids`, of what follows the `delivered_chars` an earlier detokenizer returned).
+    `text == tokenizer.decode(output_ids, skip_special_tokens=...)`, cut at the stop string,
     with two documented exceptions:
     - a generation that ends in the middle of a character (say `max_tokens` hit between the bytes
       of one emoji) drops those bytes instead of showing U+FFFD for them;
@@ -46,11 +51,14 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
+        delivered_ids: Sequence[int] = (),
+        delivered_chars: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.stop_matched: str | None = None
+        self._stops = StopMatcher(self.stop)
         # Only the window is kept: ids before prefix_offset are never decoded again.
         self._window: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._read = len(self._window)  # window index of read_offset; prefix_offset is always 0
@@ -58,10 +66,17 @@ class IncrementalDetokenizer:
         # text == "".join(self._emitted) + self._pending; _pending is held back (a possible stop start).
         self._emitted: list[str] = []
         self._pending = ""
-        # The last max_stop - 1 chars of text: a new stop match must start inside them or later.
-        self._max_stop = max((len(s) for s in self.stop), default=0)
-        self._tail = ""
         self._finished = False
+        # Output whose text an earlier detokenizer already returned, `delivered_chars` of it (an answer moved to
+        # another engine): read again so that `text`, the held-back text and the stop matcher continue where
+        # that one stopped. It may have held back more or less than this one does: what it held back and this
+        # one did not is owed to the next delta; what it returned and this one holds back is not returned again.
+        self._owed, self._skip = "", 0
+        for token_id in delivered_ids:
+            self.add_token(token_id)
+        shown = len(self.text) - len(self._pending)
+        delivered = shown if delivered_chars is None else delivered_chars
+        self._owed, self._skip = self.text[delivered:shown], max(0, delivered - shown)
 
     @property
     def text(self) -> str:
@@ -116,32 +131,23 @@ class IncrementalDetokenizer:
         if self.stop_matched is not None:
             return ""
         pending = self._pending + delta
-        # Earlier matches would already have ended generation, so any match here is new; it must
-        # end inside `delta`, hence start at most max_stop - 1 chars before it (inside the tail).
-        window = self._tail + delta
-        hits = [(pos, i) for i, s in enumerate(self.stop) if (pos := window.find(s)) != -1]
-        if hits:
-            pos, i = min(hits)  # earliest match wins; at the same position, the first listed stop
+        # Earlier matches would already have ended generation, so any match here is new and ends inside `delta`.
+        hit = self._stops.feed(delta)
+        if hit is not None:
+            start, i = hit  # earliest match wins; at the same position, the first listed stop
             self.stop_matched = self.stop[i]
-            # Emitted text never holds a stop's first chars (they were pending), and `pending` is a
-            # suffix of `window`, so the cut falls inside `pending`.
-            show = pos - (len(window) - len(pending))
+            # Emitted text never holds a stop's first chars (they were pending), so the cut falls inside `pending`.
+            show = len(pending) - len(delta) + start
         elif final:
             show = len(pending)
         else:
-            self._tail = window[-(self._max_stop - 1) :] if self._max_stop > 1 else ""
-            show = len(pending) - self._partial_stop_len()
-        out, self._pending = pending[:show], ("" if hits else pending[show:])
+            show = len(pending) - self._stops.partial_len
+        out, self._pending = pending[:show], ("" if hit is not None else pending[show:])
         if out:
             self._emitted.append(out)
-        return out
-
-    def _partial_stop_len(self) -> int:
-        """Length of the longest end of the text that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self._tail)), best, -1):
-                if self._tail.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+        if not (self._owed or self._skip):
+            return out
+        out, self._owed = self._owed + out, ""
+        skipped = min(self._skip, len(out))
+        self._skip -= skipped
+        return out[skipped:]

@@ -156,11 +156,16 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         cache_salt: str = "",
         block_hashes: list[BlockHash] | None = None,
+        delivered_tokens: int = 0,
+        delivered_chars: int | None = None,
     ) -> Request:
         """Validate and tokenize without touching the scheduler (safe from any thread).
 
         `block_hashes`, when given, are the prompt's full-block hashes as `kv_events.hash_blocks`
         computes them with this engine's model id and `cache_salt` (the ingress hashes once).
+        `delivered_tokens`: the prompt's last tokens are an answer's output that another engine already
+        streamed (a moved request), with `delivered_chars` of their text (None: all of it); their text is read
+        again for the detokenizer, and only what the client has not seen is sent.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -199,7 +204,12 @@ class LLMEngine:
             seq.min_recompute_tokens = min(len(ids), self.config.sparse.scoring_queries)
         if self.layerwise is not None and self.layerwise.compresses(seq):  # the window's queries score the prompt
             seq.min_recompute_tokens = min(len(ids), self.config.layerwise.window)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        if not 0 <= delivered_tokens < len(ids):
+            raise ValueError(f"delivered_tokens={delivered_tokens} must be in [0, {len(ids)}) for this prompt")
+        cut = len(ids) - delivered_tokens
+        detok = IncrementalDetokenizer(
+            self.tokenizer, ids[:cut], params.stop, delivered_ids=ids[cut:], delivered_chars=delivered_chars
+        )
         return Request(seq, prompt, ids, detok, max_new)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

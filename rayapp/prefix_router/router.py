@@ -18,12 +18,13 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from rayapp.config import RouterConfig
-from rayapp.deployments.metrics import PUSH_PERIOD_S, RouterMetrics, metrics_hub
+from rayapp.deployments.metrics import PUSH_PERIOD_S, HubClient, RouterMetrics
 from rayapp.prefix_router.actor import prefix_index
 from rayapp.prefix_router.policy import Holding, rank
 
@@ -121,12 +122,12 @@ class PrefixAwareRouter(RequestRouter):
         return {r: n for r, n in known.items() if n is not None}
 
     async def _push_metrics(self) -> None:
-        try:
-            hub = await asyncio.to_thread(metrics_hub, self.app_name)
-        except RuntimeError:  # Ray shut down under this router (a driver's handle): nothing to push to
-            return
+        hub = HubClient(self.app_name)
         router_id = f"{self._deployment_id.name}@{id(self):x}"
         while True:
-            with contextlib.suppress(Exception):  # metrics must never disturb routing
-                await hub.push_router.remote(router_id, self.metrics.snapshot())
+            try:
+                await hub.call("push_router", router_id, self.metrics.snapshot())
+            except Exception:  # metrics must never disturb routing
+                if not ray.is_initialized():  # Ray shut down under this router (a driver's handle): nothing to push to
+                    return
             await asyncio.sleep(PUSH_PERIOD_S)

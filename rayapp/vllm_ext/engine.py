@@ -35,9 +35,11 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from rayapp.config import AppConfig
 from rayapp.config.app import VLLM_SHARED_KWARGS
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
+from rayapp.engine.detokenizer import IncrementalDetokenizer
 from rayapp.engine.kv_events import KVEvent
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.loader import DEFAULT_MODEL, resolve_model
+from rayapp.models.tokenizer import load_tokenizer
 from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM, kv_transfer_config
 from rayapp.vllm_ext.kv_events import VLLMKVEvents
 
@@ -110,18 +112,33 @@ class _StatLogger(StatLoggerBase):
         pass
 
 
-def _sampling(params: SamplingParams) -> VLLMSamplingParams:
+def _sampling(params: SamplingParams, own_text: bool = False) -> VLLMSamplingParams:
+    """vLLM's sampling parameters; `own_text`: token ids only, rayapp's detokenizer makes the text (and stops)."""
     return VLLMSamplingParams(
         max_tokens=params.max_tokens,
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
         seed=params.seed,
-        stop=list(params.stop),
+        stop=[] if own_text else list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        detokenize=not own_text,
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def _own_text(detok: IncrementalDetokenizer, token_ids: list[int], finished: bool) -> tuple[str, list[int]]:
+    """The text of `token_ids` by rayapp's detokenizer, and the ids it read (up to a stop string's end)."""
+    parts, read = [], []
+    for token_id in token_ids:
+        parts.append(detok.add_token(token_id))
+        read.append(token_id)
+        if detok.stop_matched is not None:
+            return "".join(parts), read
+    if finished:
+        parts.append(detok.flush())
+    return "".join(parts), read
 
 
 def bind_cpu_slot(config: AppConfig) -> Any:
@@ -154,10 +171,18 @@ class VLLMBackend:
     """One vLLM engine (`AsyncLLM`, its engine core in a child process) behind rayapp's backend interface."""
 
     def __init__(
-        self, engine: AsyncLLM, events: VLLMKVEvents, stats: _EngineStats, block_size: int, cpu_slot: Any = None
+        self,
+        engine: AsyncLLM,
+        events: VLLMKVEvents,
+        stats: _EngineStats,
+        block_size: int,
+        cpu_slot: Any = None,
+        tokenizer: Any = None,
     ) -> None:
         self.engine, self.events, self._stats, self.block_size = engine, events, stats, block_size
         self._cpu_slot = cpu_slot
+        # rayapp's detokenizer reads moved answers with it (vLLM's cannot start from delivered output).
+        self.tokenizer = tokenizer
 
     @classmethod
     def from_app_config(cls, config: AppConfig) -> VLLMBackend:
@@ -175,29 +200,47 @@ class VLLMBackend:
         kwargs = engine_kwargs(config)
         if config.kvtier.enabled:
             kwargs["kv_transfer_config"] = kv_transfer_config(config.kvtier, model_id)
-        args = AsyncEngineArgs(model=str(resolve_model(config.model)), kv_events_config=kv_events, **kwargs)
+        model_dir = resolve_model(config.model)
+        args = AsyncEngineArgs(model=str(model_dir), kv_events_config=kv_events, **kwargs)
         stats = _EngineStats()
         cpu_slot = bind_cpu_slot(config)
         engine = AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_StatLogger, stats=stats)])
         block_size = config.kv_block_size()
         events = VLLMKVEvents(kv_events.endpoint, kv_events.replay_endpoint, model_id, block_size)
-        return cls(engine, events, stats, block_size, cpu_slot)
+        return cls(engine, events, stats, block_size, cpu_slot, load_tokenizer(model_dir))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         if request.cache_salt:
             prompt["cache_salt"] = request.cache_salt
-        prompt_tokens = len(request.prompt_token_ids)
+        ids = request.prompt_token_ids
+        prompt_tokens = len(ids)
         generated = 0
+        detok = None
+        if request.delivered_tokens:
+            # A moved answer: rayapp's detokenizer reads the delivered output again, so the text held back at
+            # the cut and stop strings spanning it come out as if the answer had not moved.
+            cut = len(ids) - request.delivered_tokens
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids[:cut], request.sampling.stop, delivered_ids=ids[cut:],
+                delivered_chars=request.delivered_chars,
+            )  # fmt: skip
         try:
-            stream = self.engine.generate(prompt, _sampling(request.sampling), request.request_id)
-            # Closing the stream (the client left) makes vLLM abort the request and free its pages.
+            stream = self.engine.generate(prompt, _sampling(request.sampling, detok is not None), request.request_id)
+            # Closing the stream (the client left, or rayapp's detokenizer met a stop string) makes vLLM abort
+            # the request and free its pages.
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     completion = out.outputs[0]
-                    generated += len(completion.token_ids)
+                    text, token_ids = completion.text, list(completion.token_ids)
+                    finished, reason = out.finished, completion.finish_reason
+                    if detok is not None:
+                        text, token_ids = _own_text(detok, token_ids, finished)
+                        if detok.stop_matched is not None:
+                            finished, reason = True, "stop"
+                    generated += len(token_ids)
                     usage = None
-                    if out.finished:
+                    if finished:
                         tier = out.kv_transfer_params or {}
                         # vLLM counts what the tier offered as cached, delivered or not.
                         cached = (out.num_cached_tokens or 0) - tier.get(MISSED_TOKENS_PARAM, 0)
@@ -205,8 +248,9 @@ class VLLMBackend:
                         self._stats.counters["cached_prompt_tokens"] += cached
                         self._stats.counters["tier_loaded_tokens"] += tier.get(LOADED_TOKENS_PARAM, 0)
                         usage = Usage(prompt_tokens, generated, cached)
-                    reason = completion.finish_reason if out.finished else None
-                    yield GenerateDelta(completion.text, list(completion.token_ids), reason, usage)
+                    yield GenerateDelta(text, token_ids, reason if finished else None, usage)
+                    if finished:
+                        return
         except VLLMEngineDeadError as error:
             raise EngineDeadError(f"vLLM's engine core died: {error}") from None
         except VLLMClientError as error:  # vLLM refused the request (not a ValueError in vLLM): the client's 400

@@ -203,3 +203,31 @@ def _expected_text(tokenizer, ids, stop):
         if cuts:
             return seen[: min(cuts)]
     return tokenizer.decode(ids).rstrip("\ufffd")
+
+
+@pytest.mark.parametrize("stop", [(), ("capital of",), (" Paris.", "xyz")])
+def test_an_answer_resumed_at_any_cut_streams_the_rest_of_the_same_text(tokenizer, prompt, stop):
+    """A moved answer: a second detokenizer, given the tokens the first one streamed, returns exactly the rest."""
+    ids = _ids(tokenizer, "The capital of France is Paris. Très bien: 東京 is the capital of Japan 🙂.")
+    whole_deltas, whole_flush, whole = _stream(tokenizer, prompt, ids, stop)
+    whole_text = "".join(whole_deltas) + whole_flush
+    consumed = len(whole_deltas)  # tokens the first detokenizer read before it finished or stopped
+    for cut in range(1, consumed):
+        first = IncrementalDetokenizer(tokenizer, prompt, stop=stop)
+        sent = "".join(first.add_token(t) for t in ids[:cut])
+        second = IncrementalDetokenizer(
+            tokenizer, prompt, stop=stop, delivered_ids=ids[:cut], delivered_chars=len(sent)
+        )
+        rest = []
+        for token_id in ids[cut:]:
+            rest.append(second.add_token(token_id))
+            if second.stop_matched is not None:
+                break
+        rest.append(second.flush())
+        assert sent + "".join(rest) == whole_text, cut
+        assert second.stop_matched == whole.stop_matched
+        # The first held back more (say, a fixed stop-length margin, as vLLM does): the second owes it.
+        held = max(0, len(sent) - 4)
+        third = IncrementalDetokenizer(tokenizer, prompt, stop=stop, delivered_ids=ids[:cut], delivered_chars=held)
+        rest = [third.add_token(t) for t in ids[cut:consumed]] + [third.flush()]
+        assert sent[:held] + "".join(rest) == whole_text, cut

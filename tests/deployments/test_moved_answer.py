@@ -1,0 +1,110 @@
+"""An answer whose replica dies mid-stream continues on another with exactly the text it would have had.
+
+The ingress' `_Generation` runs over a replica handle whose first stream dies (RayActorError, as Serve
+raises when a replica process is gone) after some deltas; the streams come from real engine backends
+(rayapp's, and vLLM's where it is installed). Greedy, so the uninterrupted answer is the reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+from ray.exceptions import RayActorError
+
+from rayapp.config import AppConfig
+from rayapp.deployments.engines import backend_class
+from rayapp.deployments.ingress import OpenAIIngress, _Generation
+from rayapp.engine.sampling_params import SamplingParams
+from rayapp.models.tokenizer import chat_token_ids
+
+MESSAGES = [{"role": "user", "content": "List the planets of the solar system, one per line, with a short note."}]
+CONFIGS = {
+    "rayapp": AppConfig(dtype="float32", kv_cache_memory_gb=0.25),
+    "vllm": AppConfig(engine="vllm", dtype="float32", kv_cache_memory_gb=0.5, engine_kwargs={"enforce_eager": True}),
+}
+ENGINES = [
+    "rayapp",
+    pytest.param(
+        "vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+    ),
+]
+
+
+class _Stream:
+    """One replica stream: the backend's deltas, dying with RayActorError after `die_after` of them."""
+
+    def __init__(self, deltas, die_after: int | None) -> None:
+        self.deltas, self.die_after, self.sent = deltas, die_after, 0
+
+    async def __anext__(self):
+        if self.sent == self.die_after:
+            await self.deltas.aclose()
+            raise RayActorError()
+        self.sent += 1
+        return await self.deltas.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self.deltas.aclose())
+
+
+class _Ingress:
+    """What `_Generation` uses of the ingress, over a replica whose first stream dies."""
+
+    generate_request = OpenAIIngress.generate_request
+
+    def __init__(self, backend, config: AppConfig, die_after: int | None) -> None:
+        self.backend, self.die_after = backend, die_after
+        self.block_size, self.model_id = config.kv_block_size(), "SmolLM2-135M-Instruct"
+        self.inflight = self.moved_requests = 0
+        self.replica = self
+
+    def options(self, stream: bool):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, request):
+        die_after, self.die_after = self.die_after, None
+        return _Stream(self.backend.generate(request), die_after)
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request):
+    config = CONFIGS[request.param]
+    backend = backend_class(config).from_app_config(config)
+    yield backend, config
+    backend.shutdown()
+
+
+async def _answer(engine, ids, sampling, die_after):
+    backend, config = engine
+    ingress = _Ingress(backend, config, die_after)
+    generation = _Generation(ingress, ingress.generate_request(ids, "", sampling, MESSAGES))
+    items = [await generation.next()]
+    while not items[-1].finished:
+        items.append(await generation.next())
+    generation.release(cancel=False)
+    assert ingress.moved_requests == (die_after is not None)
+    return "".join(i.text for i in items), items[-1].finish_reason, len(generation.generated)
+
+
+def test_a_moved_answer_is_the_uninterrupted_answer_byte_for_byte(engine, tokenizer):
+    ids = chat_token_ids(tokenizer, MESSAGES)
+    free = SamplingParams(temperature=0, max_tokens=48)
+
+    async def check():  # one event loop for all: vLLM's AsyncLLM stays on the loop it first ran on
+        whole, _, _ = await _answer(engine, ids, free, None)
+        # A stop string that spans many cuts: ten characters from the middle of the uninterrupted answer.
+        stop = whole[20:30]
+        stopped_at = SamplingParams(temperature=0, max_tokens=48, stop=(stop,))
+        stopped, reason, consumed = await _answer(engine, ids, stopped_at, None)
+        assert reason == "stop" and stopped == whole[: whole.find(stop)]
+        for cut in range(1, consumed):
+            assert (await _answer(engine, ids, free, cut))[0] == whole, cut
+            assert (await _answer(engine, ids, stopped_at, cut))[:2] == (stopped, "stop"), cut
+
+    asyncio.run(check())
