@@ -7,7 +7,11 @@ them through a psycopg 3 connection pool with parameters only, never with values
 The catalog is consulted per request, never per token. When the database cannot be reached the
 catalog disables itself with one warning and answers as if it were empty (writes return False);
 after `retry_after_s` the next call tries the database again. Only failures of the database are
-treated so (unreachable, shut down, table gone): an SQL or data error is a bug and raises.
+treated so (unreachable, shut down, table gone, or silent past a deadline): an SQL or data error is
+a bug and raises. Every call runs on a thread of the catalog's own and is waited on for at most
+`statement_timeout_s` (`connect_timeout_s` more for a reconnect), so a database that froze (no
+answer and no error: a stopped server, a partitioned network) costs its caller one deadline, and
+the calls after it go on without the catalog until it answers again.
 
 Invariant kept by `KVTierStore`: a row names the store actor holding the block's bytes. A reader
 still checks every loaded block against its hash and token ids, since a row can outlive its bytes
@@ -21,6 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -96,6 +101,7 @@ class Catalog:
         *,
         max_connections: int = 4,
         connect_timeout_s: float = 3.0,
+        statement_timeout_s: float = 2.0,
         retry_after_s: float = 30.0,
     ) -> None:
         if not 1 <= representation_dim <= MAX_REPRESENTATION_DIM:
@@ -107,8 +113,14 @@ class Catalog:
         self._max_connections = max_connections
         # libpq's connect_timeout is whole seconds, at least 2.
         self._connect_timeout_s = max(2, math.ceil(connect_timeout_s))
+        self._statement_timeout_s = statement_timeout_s
         self._retry_after_s = retry_after_s
         self._lock = threading.Lock()
+        # Held by the one caller trying to reconnect: the others go on without the catalog meanwhile.
+        self._connecting = threading.Lock()
+        # Database calls run here, so that their callers can stop waiting at a deadline; a call stuck on a
+        # frozen database holds its thread until the database answers or its connection breaks.
+        self._calls = ThreadPoolExecutor(max_workers=max_connections + 1, thread_name_prefix="rayapp-kvtier-catalog")
         self._pool: ConnectionPool | None = None
         self._sql: CatalogSQL | None = None
         self._retry_at = 0.0
@@ -133,34 +145,51 @@ class Catalog:
             pool.close()
 
     def _ensure_ready(self) -> bool:
-        with self._lock:
-            if self._pool is not None:
-                return True
-            if time.monotonic() < self._retry_at:
-                return False
-            try:
-                # A plain connection first: a down server fails here quickly and quietly, where a
-                # pool would keep retrying (and logging) in the background.
-                with psycopg.connect(self.dsn, autocommit=True, connect_timeout=self._connect_timeout_s) as conn:
-                    version = conn.execute("SELECT version()").fetchone()[0]
-                    self._sql = CatalogSQL(detect_dialect(version), self.representation_dim)
-                    self._create_schema(conn, self._sql)
-                self._pool = ConnectionPool(
-                    self.dsn,
-                    min_size=0,
-                    max_size=self._max_connections,
-                    timeout=self._connect_timeout_s,
-                    kwargs={"autocommit": True, "connect_timeout": self._connect_timeout_s},
-                    name="rayapp-kvtier-catalog",
-                    open=True,
-                )
-            except _UNREACHABLE as err:
+        if self._pool is not None:
+            return True
+        if time.monotonic() < self._retry_at or not self._connecting.acquire(blocking=False):
+            return False  # not yet time to try again, or another caller is trying now
+        try:
+            self._calls.submit(self._connect).result(timeout=self._connect_timeout_s + self._statement_timeout_s)
+        except TimeoutError:  # the attempt goes on; if the database answers after all, it turns the catalog on
+            with self._lock:
+                self._disable_locked(self._silent())
+        finally:
+            self._connecting.release()
+        return self._pool is not None
+
+    def _connect(self) -> None:
+        """Connect, create the schema when missing, and open the pool (on a catalog thread)."""
+        statement_ms = max(1, round(self._statement_timeout_s * 1000))
+        try:
+            # A plain connection first: a down server fails here quickly and quietly, where a
+            # pool would keep retrying (and logging) in the background.
+            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=self._connect_timeout_s) as conn:
+                version = conn.execute("SELECT version()").fetchone()[0]
+                sql = CatalogSQL(detect_dialect(version), self.representation_dim)
+                self._create_schema(conn, sql)
+            pool = ConnectionPool(
+                self.dsn,
+                min_size=0,
+                max_size=self._max_connections,
+                timeout=self._connect_timeout_s,
+                # The server ends statements past the deadline too, so abandoned ones do not pile up on it.
+                kwargs={
+                    "autocommit": True, "connect_timeout": self._connect_timeout_s,
+                    "options": f"-c statement_timeout={statement_ms}",
+                },
+                name="rayapp-kvtier-catalog",
+                open=True,
+            )  # fmt: skip
+        except _UNREACHABLE as err:
+            with self._lock:
                 self._disable_locked(err)
-                return False
+            return
+        with self._lock:
+            self._sql, self._pool = sql, pool
             if self._disabled:
                 logger.info("cluster KV tier catalog at %s is reachable again", _describe(self.dsn))
                 self._disabled = False
-            return True
 
     def _create_schema(self, conn: psycopg.Connection, sql: CatalogSQL) -> None:
         with conn.transaction():
@@ -190,7 +219,8 @@ class Catalog:
                 self._retry_after_s,
             )  # fmt: skip
         if pool is not None:
-            pool.close()
+            # Off this thread: closing waits on the pool's workers, which a frozen database can hold.
+            threading.Thread(target=pool.close, name="rayapp-kvtier-pool-close", daemon=True).start()
 
     def _run(self, work: Callable[[psycopg.Connection, CatalogSQL], _T], default: _T) -> _T:
         if not self._ensure_ready():
@@ -198,6 +228,18 @@ class Catalog:
         pool, sql = self._pool, self._sql
         if pool is None or sql is None:  # closed by another thread meanwhile
             return default
+        try:
+            return self._calls.submit(self._work, pool, sql, work, default).result(timeout=self._statement_timeout_s)
+        except TimeoutError:
+            self._disable_if_current(pool, self._silent())
+            return default
+
+    def _silent(self) -> TimeoutError:
+        return TimeoutError(f"no answer within {self._statement_timeout_s:g} s")
+
+    def _work(
+        self, pool: ConnectionPool, sql: CatalogSQL, work: Callable[[psycopg.Connection, CatalogSQL], _T], default: _T
+    ) -> _T:
         try:
             with pool.connection() as conn:
                 try:

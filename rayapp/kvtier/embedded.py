@@ -27,6 +27,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +42,8 @@ SYSTEM_USER = "rayapp-postgres"
 DB_USER = "rayapp"
 DB_NAME = "postgres"
 _STARTS_ON_NEW_PORT = 3
+# Seconds between the database actor's checks that its server still runs (it is started again if not).
+SUPERVISE_PERIOD_S = 2.0
 # Ray gives the head node (only) one unit of this resource: asking for a sliver of it pins an actor there.
 _HEAD_NODE_RESOURCE = "node:__internal_head__"
 
@@ -244,7 +247,9 @@ class _DatabaseActor:
 
     The server lives as long as this actor: a watchdog process, detached so that it survives the
     actor being killed, holds a pipe from the actor and stops the server when the pipe closes. So
-    the database stops with the cluster (`serve run` ending, `ray stop`), never lingering.
+    the database stops with the cluster (`serve run` ending, `ray stop`), never lingering. A server
+    that dies meanwhile (killed, out of memory) is started again, on its port, within
+    `SUPERVISE_PERIOD_S`; the catalogs' retries then turn the tier back on.
     """
 
     def __init__(self, data_dir: str, host: str | None) -> None:
@@ -252,6 +257,8 @@ class _DatabaseActor:
 
         self._db = EmbeddedPostgres(data_dir, host=host or ray.util.get_node_ip_address())
         self._watchdog: subprocess.Popen | None = None
+        self._stopped = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     def start(self) -> str:
         dsn = self._db.start()
@@ -261,9 +268,22 @@ class _DatabaseActor:
                 [sys.executable, "-c", _WATCHDOG, str(self._db.data_dir)], stdin=subprocess.PIPE, start_new_session=True
             )
             self._watchdog.wait()  # the forked watchdog carries on alone
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(target=self._supervise, name="rayapp-kvtier-db-supervisor", daemon=True)
+            self._supervisor.start()
         return dsn
 
+    def _supervise(self) -> None:
+        while not self._stopped.wait(SUPERVISE_PERIOD_S):
+            try:
+                if not self._db.is_running():
+                    logger.warning("the embedded KV tier database over %s stopped; starting it again", self._db.pgdata)
+                    self._db.start()
+            except Exception:  # tried again next period
+                logger.exception("starting the embedded KV tier database again failed")
+
     def stop(self) -> None:
+        self._stopped.set()
         self._db.stop()
 
 

@@ -194,24 +194,27 @@ class KVTierStore:
             # Another call may have evicted or stored some of these blocks meanwhile: rows are written for
             # what the store holds once this call is done.
             present = {key for key in keys if key in self._blocks or key in entries}
-            rows = [
-                BlockRow(
-                    block_hash=h.block_hash, parent_hash=h.parent_hash, model_id=h.model_id,
-                    cache_salt=h.cache_salt, layer_group=h.layer_group, node_id=self.node_id,
-                    store_name=self.name, nbytes=array.nbytes, num_tokens=len(h.token_ids), representation=rep,
-                )
-                for h, key, array, rep in zip(headers, keys, arrays, representations)
-                if key in present
-            ]  # fmt: skip
-            if not self._catalog.upsert(rows):
+        rows = [
+            BlockRow(
+                block_hash=h.block_hash, parent_hash=h.parent_hash, model_id=h.model_id,
+                cache_salt=h.cache_salt, layer_group=h.layer_group, node_id=self.node_id,
+                store_name=self.name, nbytes=array.nbytes, num_tokens=len(h.token_ids), representation=rep,
+            )
+            for h, key, array, rep in zip(headers, keys, arrays, representations)
+            if key in present
+        ]  # fmt: skip
+        # Database I/O outside the lock: a slow or silent database must not stall the store's other calls.
+        if not self._catalog.upsert(rows):
+            with self._lock:
                 self._rejected += len(blocks)
-                return [False] * len(blocks)
+            return [False] * len(blocks)
+        with self._lock:
             for key in reversed(keys):
                 if key in self._blocks:
                     self._blocks.move_to_end(key)
             new = {key: entry for key, entry in entries.items() if key not in self._blocks}
             # Only blocks outside this batch are evicted: `budget` kept the batch within the capacity.
-            self._evict(self._nbytes + sum(e.nbytes for e in new.values()) - self.capacity_bytes)
+            gone = self._evict(self._nbytes + sum(e.nbytes for e in new.values()) - self.capacity_bytes)
             for key in reversed(keys):  # the chain's head ends most recently used
                 if key in new:
                     self._blocks[key] = new.pop(key)
@@ -219,25 +222,36 @@ class KVTierStore:
             kept = [key in self._blocks for key in keys]
             self._puts += sum(kept)
             self._rejected += len(kept) - sum(kept)
+            # Rows just written for blocks another call evicted during the upsert: they go with the evicted ones.
+            gone += [key for key in present if key not in self._blocks]
+        self._remove_rows(gone)
         return kept
 
     def _put_objects(self, arrays: dict[tuple[int, int], np.ndarray]) -> dict[tuple[int, int], _Entry]:
         """Copy blocks' bytes into the object store, owned by this actor (no lock held: it is the slow part)."""
         return {key: _Entry(ray.put(array), array.nbytes) for key, array in arrays.items()}
 
-    def _evict(self, nbytes: int) -> None:
-        """Drop least recently used blocks until `nbytes` are freed, and their catalog rows (lock held).
-
-        Only the rows still naming this store count as removed: a block another store re-wrote
-        meanwhile stays in the tier there."""
-        evicted: dict[int, list[int]] = {}
+    def _evict(self, nbytes: int) -> list[tuple[int, int]]:
+        """Drop least recently used blocks until `nbytes` are freed (lock held); returns their keys, whose rows
+        the caller removes once it released the lock."""
+        evicted = []
         while nbytes > 0 and self._blocks:
-            (block_hash, layer_group), entry = self._blocks.popitem(last=False)
+            key, entry = self._blocks.popitem(last=False)
             self._nbytes -= entry.nbytes
             nbytes -= entry.nbytes
             self._evictions += 1
-            evicted.setdefault(layer_group, []).append(block_hash)
-        for layer_group, hashes in evicted.items():
+            evicted.append(key)
+        return evicted
+
+    def _remove_rows(self, keys: Sequence[tuple[int, int]]) -> None:
+        """Delete the rows of blocks this store no longer holds (lock not held).
+
+        Only the rows still naming this store count as removed: a block another store re-wrote
+        meanwhile stays in the tier there."""
+        by_group: dict[int, list[int]] = {}
+        for block_hash, layer_group in dict.fromkeys(keys):
+            by_group.setdefault(layer_group, []).append(block_hash)
+        for layer_group, hashes in by_group.items():
             self._note_removed(self._catalog.remove(hashes, layer_group, node_id=self.node_id, store_name=self.name))
 
     def get(self, block_hash: int, layer_group: int = 0) -> ray.ObjectRef | None:
@@ -272,8 +286,7 @@ class KVTierStore:
             if entry is None:
                 return False
             self._nbytes -= entry.nbytes
-            removed = self._catalog.remove([block_hash], layer_group, node_id=self.node_id, store_name=self.name)
-        self._note_removed(removed)
+        self._remove_rows([(block_hash, layer_group)])
         return True
 
     def clear(self) -> int:
@@ -282,8 +295,7 @@ class KVTierStore:
             count = len(self._blocks)
             self._blocks.clear()
             self._nbytes = 0
-            removed = self._catalog.remove_node(self.node_id)
-        self._note_removed(removed)
+        self._note_removed(self._catalog.remove_node(self.node_id))
         return count
 
     def close(self) -> None:

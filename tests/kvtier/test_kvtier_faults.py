@@ -1,0 +1,108 @@
+"""Database faults the tier must ride out: a frozen server (stopped with SIGSTOP: no answer, no error), and an
+embedded server that dies under the cluster (it is restarted, and the tier comes back on by itself)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psutil
+import pytest
+
+from rayapp.kvtier.catalog import Catalog, ChainMatch
+from rayapp.kvtier.embedded import EmbeddedPostgres, _free_port, start_embedded_database, stop_embedded_database
+from rayapp.kvtier.store import KVTierStore
+from tests.kvtier.test_kvtier_catalog import chain, rows
+from tests.kvtier.test_kvtier_store import BLOCK_BYTES, DIM, chain_hashes, encoded_chain
+
+
+def _server_processes(db: EmbeddedPostgres) -> list[psutil.Process]:
+    postmaster = psutil.Process(int((db.pgdata / "postmaster.pid").read_text().split()[0]))
+    return [postmaster, *postmaster.children(recursive=True)]
+
+
+@contextmanager
+def _frozen(db: EmbeddedPostgres) -> Iterator[None]:
+    """The whole server stopped (SIGSTOP), then let go on (SIGCONT) however the block ends."""
+    processes = _server_processes(db)
+    for p in processes:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in processes:
+            p.send_signal(signal.SIGCONT)
+
+
+def _returns(call, bound_s: float = 60.0):
+    """call()'s result, asserting it returned at all (a hang fails the test instead of stalling the suite)."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    assert result, "the call did not return while the database was frozen"
+    return result[0]
+
+
+def _until(condition, what: str, bound_s: float = 60.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def private_database(tmp_path) -> EmbeddedPostgres:
+    db = EmbeddedPostgres(tmp_path / "db", port=_free_port("127.0.0.1"))
+    yield db
+    db.stop()
+
+
+def test_a_frozen_database_is_a_miss_and_bypassed_until_it_answers(private_database):
+    dsn = private_database.start()
+    catalog = Catalog(dsn, DIM, statement_timeout_s=0.5, retry_after_s=1.0)
+    hashes = chain_hashes(2, "frozen")
+    assert catalog.longest_chain(hashes) == ChainMatch() and catalog.available
+    with _frozen(private_database):
+        assert _returns(lambda: catalog.longest_chain(hashes)) == ChainMatch()
+        assert _returns(lambda: catalog.available) is False  # bypassed: no second wait on the frozen server
+        time.sleep(1.0)  # past the retry delay: the next call tries again, and stops waiting at its deadline
+        assert _returns(lambda: catalog.touch(hashes)) == 0
+    _until(lambda: catalog.available, "the catalog did not come back once the database answered")
+    assert catalog.longest_chain(hashes) == ChainMatch()
+    catalog.close()
+
+
+def test_the_store_answers_while_a_put_waits_on_a_frozen_database(cluster, private_database):
+    dsn = private_database.start()
+    store = KVTierStore(dsn, DIM, 8 * BLOCK_BYTES, {"statement_timeout_s": 30.0})
+    blocks = encoded_chain(2, "lock")
+    assert store.put(blocks[0])
+    with _frozen(private_database):
+        put = threading.Thread(target=store.put, args=(blocks[1],), daemon=True)
+        put.start()
+        time.sleep(0.5)  # the put is waiting on the database
+        assert _returns(store.held) == [chain_hashes(1, "lock")[0]]
+        assert put.is_alive()
+    put.join(60)
+    store.close()
+
+
+def test_a_dead_embedded_database_is_restarted_and_the_tier_comes_back(cluster, tmp_path):
+    dsn = start_embedded_database(tmp_path / "db")
+    db = EmbeddedPostgres(tmp_path / "db")
+    catalog = Catalog(dsn, DIM, retry_after_s=0.5)
+    assert catalog.available
+    try:
+        os.kill(_server_processes(db)[0].pid, signal.SIGKILL)
+        assert catalog.upsert(rows(chain(1, "killed"))) is False  # the tier is off: requests recompute
+        # Writes take again once the server is back (the catalog retries on its own), on the same DSN.
+        _until(lambda: catalog.upsert(rows(chain(1, "killed"))), "the tier did not come back on by itself")
+        assert catalog.longest_chain(chain(1, "killed")).num_present == 1
+    finally:
+        catalog.close()
+        stop_embedded_database()
