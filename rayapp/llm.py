@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -12,6 +13,8 @@ from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import RequestOutput
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.tokenizer import Message, chat_token_ids
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -112,4 +115,9 @@ def connect_tier(engine: LLMEngine) -> Any:
 
     if not ray.is_initialized():
         ray.init(include_dashboard=False)
-    return attach_tier(engine)
+    try:
+        return attach_tier(engine)
+    except Exception as error:  # no database, no store: generate without the tier rather than not at all
+        # A failure in the database actor arrives wrapped in Ray's traceback: its cause says what to change.
+        logger.warning("cluster KV tier unavailable (%s); running without it", getattr(error, "cause", None) or error)
+        return None

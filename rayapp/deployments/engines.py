@@ -52,7 +52,8 @@ class RayappBackend:
             try:
                 tier = attach_tier(engine.engine)
             except Exception as error:  # no database, no store: serve without the tier rather than not at all
-                logger.warning("cluster KV tier unavailable (%s); serving without it", error)
+                cause = getattr(error, "cause", None) or error  # the database actor's error, not Ray's traceback
+                logger.warning("cluster KV tier unavailable (%s); serving without it", cause)
         return cls(engine, tier)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:

@@ -13,6 +13,7 @@ The tier itself (`rayapp.kvtier.client.KVTierClient`) is handed to the engine as
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +24,8 @@ from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.kv_events import BlockHash, BlockRemoved, BlockStored
 from rayapp.engine.model_runner import ModelRunner
 from rayapp.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class TierBlock(Protocol):
@@ -95,7 +98,11 @@ class KVTransfer:
         if not plan.worth_asking:
             return []
         hashes = seq.block_hashes[: plan.usable_blocks]
-        return self.tier.fetch(hashes, seq.token_ids, seq.cache_salt, plan.local_blocks)
+        try:
+            return self.tier.fetch(hashes, seq.token_ids, seq.cache_salt, plan.local_blocks)
+        except Exception:  # the tier is a cache: whatever went wrong, the prompt is computed instead
+            logger.exception("cluster KV tier: fetching blocks for sequence %s failed", seq.seq_id)
+            return []
 
     def install(self, seq: Sequence, plan: TierPlan, blocks: list[TierBlock]) -> tuple[int, int]:
         """Write `blocks` (block `plan.local_blocks` of `seq` onwards) into free pages as cached blocks.

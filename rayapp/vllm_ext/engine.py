@@ -199,7 +199,11 @@ class VLLMBackend:
         model_id = config.model or DEFAULT_MODEL
         kwargs = engine_kwargs(config)
         if config.kvtier.enabled:
-            kwargs["kv_transfer_config"] = kv_transfer_config(config.kvtier, model_id)
+            try:
+                kwargs["kv_transfer_config"] = kv_transfer_config(config.kvtier, model_id)
+            except Exception as error:  # no database: serve without the tier rather than not at all
+                cause = getattr(error, "cause", None) or error
+                logger.warning("cluster KV tier unavailable (%s); serving without it", cause)
         model_dir = resolve_model(config.model)
         args = AsyncEngineArgs(model=str(model_dir), kv_events_config=kv_events, **kwargs)
         stats = _EngineStats()

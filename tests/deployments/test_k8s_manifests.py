@@ -165,8 +165,19 @@ def test_overlay_changes_only_the_device_and_runs_vllm_there(name):
 def test_npu_workers_allow_vllm_ascends_plugins():
     # VLLM_PLUGINS is an allow-list: without ascend's names there, vLLM on the NPU pods loads no platform.
     (group,) = worker_groups(rayservice("npu"))
-    env = {e["name"]: e["value"] for e in group["template"]["spec"]["containers"][0].get("env", [])}
-    assert {"ascend", "ascend_enhanced_model"} <= set(env["VLLM_PLUGINS"].split(","))
+    env = {e["name"]: e for e in group["template"]["spec"]["containers"][0].get("env", [])}
+    assert {"ascend", "ascend_enhanced_model"} <= set(env["VLLM_PLUGINS"]["value"].split(","))
+    assert "RAYAPP_API_KEYS" in env  # appended to the base's environment, not replacing it
+
+
+@pytest.mark.parametrize("name", DEPLOYMENTS)
+def test_every_pod_may_take_api_keys_from_a_secret_and_none_sit_in_the_config(name):
+    spec = rayservice(name)["spec"]["rayClusterConfig"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        env = {e["name"]: e for e in group["template"]["spec"]["containers"][0]["env"]}
+        ref = env["RAYAPP_API_KEYS"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "rayapp-api-keys", "key": "keys", "optional": True}
+    assert all(not app["args"].get("api_keys") for app in serve_config(rayservice(name))["applications"])
 
 
 @pytest.mark.parametrize("name", DEPLOYMENTS)

