@@ -168,9 +168,10 @@ class Catalog:
                 version = conn.execute("SELECT version()").fetchone()[0]
                 sql = CatalogSQL(detect_dialect(version), self.representation_dim)
                 self._create_schema(conn, sql)
+            # One connection kept open: a lookup on a request's admission must not wait on a login.
             pool = ConnectionPool(
                 self.dsn,
-                min_size=0,
+                min_size=1,
                 max_size=self._max_connections,
                 timeout=self._connect_timeout_s,
                 # The server ends statements past the deadline too, so abandoned ones do not pile up on it.
@@ -179,8 +180,13 @@ class Catalog:
                     "options": f"-c statement_timeout={statement_ms}",
                 },
                 name="rayapp-kvtier-catalog",
-                open=True,
+                open=False,
             )  # fmt: skip
+            try:
+                pool.open(wait=True, timeout=self._connect_timeout_s)
+            except _UNREACHABLE:
+                pool.close()
+                raise
         except _UNREACHABLE as err:
             with self._lock:
                 self._disable_locked(err)
