@@ -71,7 +71,10 @@ class RayappBackend:
             usage = None
             if out.finished:
                 usage = Usage(len(out.prompt_token_ids), len(completion.token_ids), out.num_cached_tokens)
-            yield GenerateDelta(completion.delta_text, completion.delta_token_ids, completion.finish_reason, usage)
+            yield GenerateDelta(
+                completion.delta_text, completion.delta_token_ids, completion.finish_reason, usage,
+                completion.delta_logprobs,
+            )  # fmt: skip
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

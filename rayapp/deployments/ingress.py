@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
-import json
 import logging
 import os
 import time
@@ -31,7 +30,16 @@ from ray.serve.handle import DeploymentHandle
 
 from rayapp.config import AppConfig
 from rayapp.deployments.metrics import HubClient, render_prometheus
-from rayapp.deployments.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
+from rayapp.deployments.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_sizes,
+    decode_json,
+    parse,
+    read_body,
+)
+from rayapp.deployments.responses import LogprobsFormat, event, full_response, stream_chunk, usage_body
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
 from rayapp.engine.kv_events import hash_blocks
 from rayapp.engine.sampling_params import SamplingParams
@@ -88,35 +96,6 @@ async def _internal_error(_: Request, error: Exception) -> JSONResponse:
     return JSONResponse(APIError(500, message, type_="internal_error").body(), status_code=500)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to pass `limit` bytes (declared or as received)."""
-    too_large = APIError(
-        413, f"the request body is larger than this server's limit of {limit} bytes", code="request_too_large"
-    )
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _decode_json(raw: bytes) -> Any:
-    try:
-        body = json.loads(raw)
-        # JSON escapes can spell lone surrogates, which no tokenizer accepts: refuse them here.
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except RecursionError:
-        raise APIError(400, "the request body is nested too deeply") from None
-    except ValueError as error:  # not JSON, not UTF-8, or an integer literal too long to convert
-        raise APIError(400, f"the request body is not valid JSON text: {error}") from None
-    return body
-
-
 def _api_keys(config: AppConfig) -> tuple[str, ...]:
     """Every accepted key: `api_keys`, the lines of `api_keys_file`, and `RAYAPP_API_KEYS` (comma-separated)."""
     keys = list(config.api_keys)
@@ -128,40 +107,6 @@ def _api_keys(config: AppConfig) -> tuple[str, ...]:
         keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
     return tuple(keys)
-
-
-def _event(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def _usage(usage: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-def _full_response(items: list[GenerateDelta], kind: str, response_id: str, model: str) -> dict[str, Any]:
-    text, last = "".join(i.text for i in items), items[-1]
-    if kind == "chat.completion":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": last.finish_reason,
-            "logprobs": None,
-        }
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}
-    return {
-        "id": response_id,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": _usage(last.usage),
-    }
 
 
 class _Generation:
@@ -246,6 +191,7 @@ class OpenAIIngress:
         self._bulk_tokenizer = load_tokenizer(path)
         self._bulk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayapp-ingress-bulk")
         self.api_keys = _api_keys(self.config)
+        self.logprobs = LogprobsFormat(self.tokenizer)
         self.vocab_size = spec.vocab_size
         # The engine's model id: block hashes computed here must equal the replicas' own.
         self.model_id = self.config.model or DEFAULT_MODEL
@@ -312,22 +258,16 @@ class OpenAIIngress:
 
     async def _prepare(self, request: Request, prepare: Callable[[bytes, Any], Any]) -> Any:
         """`prepare(body bytes, tokenizer)`, on the event loop for a small body, on the bulk thread for a large one."""
-        raw = await _read_body(request, self.config.limits.max_request_bytes)
+        raw = await read_body(request, self.config.limits.max_request_bytes)
         if len(raw) <= OFF_LOOP_BYTES:
             return prepare(raw, self.tokenizer)
         return await asyncio.get_running_loop().run_in_executor(self._bulk, prepare, raw, self._bulk_tokenizer)
 
     def _prepare_chat(self, raw: bytes, tokenizer: Any) -> tuple[ChatCompletionRequest, list[int], list[dict]]:
-        body = parse(ChatCompletionRequest, _decode_json(raw))
+        body = parse(ChatCompletionRequest, decode_json(raw))
         self._check_model(body.model)
-        limits = self.config.limits
-        if len(body.messages) > limits.max_messages:
-            raise APIError(
-                400, f"{len(body.messages)} messages are more than this server's limit of {limits.max_messages}",
-                param="messages",
-            )  # fmt: skip
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        self._check_sizes(body, sum(len(m["content"]) for m in messages), "messages")
+        check_sizes(body, self.config.limits, sum(len(m["content"]) for m in messages))
         try:
             ids = chat_token_ids(tokenizer, messages)
         except ValueError as error:  # e.g. a model without a chat template
@@ -335,9 +275,9 @@ class OpenAIIngress:
         return body, ids, messages
 
     def _prepare_completion(self, raw: bytes, tokenizer: Any) -> tuple[CompletionRequest, list[int]]:
-        body = parse(CompletionRequest, _decode_json(raw))
+        body = parse(CompletionRequest, decode_json(raw))
         self._check_model(body.model)
-        self._check_sizes(body, len(body.prompt) if isinstance(body.prompt, str) else 0, "prompt")
+        check_sizes(body, self.config.limits, len(body.prompt) if isinstance(body.prompt, str) else 0)
         if isinstance(body.prompt, str):
             ids = tokenizer.encode(body.prompt)
         elif all(0 <= t < self.vocab_size for t in body.prompt):
@@ -345,26 +285,6 @@ class OpenAIIngress:
         else:
             raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return body, ids
-
-    def _check_sizes(self, body: Any, prompt_chars: int, param: str) -> None:
-        """The limits on the prompt's characters and on the stop strings, before any templating or tokenizing."""
-        limits = self.config.limits
-        if prompt_chars > limits.max_prompt_chars:
-            raise APIError(
-                400, f"the {param} hold {prompt_chars} characters, more than this server's limit of "
-                f"{limits.max_prompt_chars}", param=param,
-            )  # fmt: skip
-        stops = body.stop_strings
-        if len(stops) > limits.max_stop_strings:
-            raise APIError(
-                400, f"{len(stops)} stop strings are more than this server's limit of {limits.max_stop_strings}",
-                param="stop",
-            )  # fmt: skip
-        if any(len(stop) > limits.max_stop_chars for stop in stops):
-            raise APIError(
-                400, f"a stop string is longer than this server's limit of {limits.max_stop_chars} characters",
-                param="stop",
-            )  # fmt: skip
 
     def _authenticate(self, request: Request) -> str:
         """Check the API key when keys are configured; return the tenant (the key, or else `user`)."""
@@ -433,7 +353,10 @@ class OpenAIIngress:
                 items.append(await generation.next())
         finally:
             generation.release(cancel=False)
-        return JSONResponse(_full_response(items, kind, response_id, self.served_name))
+        logprobs = None
+        if body.requested_logprobs is not None:
+            logprobs = self.logprobs.render([lp for i in items for lp in i.logprobs or ()], kind == "chat.completion")
+        return JSONResponse(full_response(items, kind, response_id, self.served_name, logprobs))
 
     def generate_request(
         self, ids: list[int], salt: str, sampling: SamplingParams, prompt: str | list[Any]
@@ -451,48 +374,34 @@ class OpenAIIngress:
     async def _sse(
         self, generation: _Generation, first: GenerateDelta, body: Any, kind: str, response_id: str
     ) -> AsyncIterator[str]:
-        created = int(time.time())
-        chat = kind == "chat.completion"
-
-        def chunk(text: str | None, finish_reason: str | None, role: bool = False) -> str:
-            if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-                if text:
-                    delta["content"] = text
-                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish_reason}
-            obj = "chat.completion.chunk" if chat else "text_completion"
-            return _event(
-                {"id": response_id, "object": obj, "created": created, "model": self.served_name, "choices": [choice]}
-            )
-
+        created, chat, model = int(time.time()), kind == "chat.completion", self.served_name
+        wants_logprobs, text_offset = body.requested_logprobs is not None, 0
         finished = False
         try:
             if chat:
-                yield chunk(None, None, role=True)
+                yield stream_chunk(response_id, created, model, chat, None, None, role=True)
             item = first
             while True:
-                if item.text or item.finished:
-                    yield chunk(item.text, item.finish_reason)
+                logprobs = None
+                if wants_logprobs and item.logprobs:
+                    logprobs = self.logprobs.render(item.logprobs, chat, text_offset)
+                    text_offset += self.logprobs.text_length(item.logprobs)
+                if item.text or item.finished or logprobs is not None:
+                    yield stream_chunk(
+                        response_id, created, model, chat, item.text, item.finish_reason, logprobs=logprobs
+                    )
                 if item.finished:
                     finished = True
                     if body.include_usage:
-                        yield _event(
-                            {
-                                "id": response_id,
-                                "object": "chat.completion.chunk" if chat else kind,
-                                "created": created,
-                                "model": self.served_name,
-                                "choices": [],
-                                "usage": _usage(item.usage),
-                            }
-                        )
+                        obj = "chat.completion.chunk" if chat else kind
+                        usage = usage_body(item.usage)
+                        yield event({"id": response_id, "object": obj, "created": created, "model": model,
+                                     "choices": [], "usage": usage})  # fmt: skip
                     break
                 item = await generation.next()
             yield "data: [DONE]\n\n"
         except APIError as error:
-            yield _event(error.body())
+            yield event(error.body())
             yield "data: [DONE]\n\n"
         finally:
             # Not finished: the client left (or the replica failed); stop generating, free the pages.

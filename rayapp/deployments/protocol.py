@@ -1,12 +1,16 @@
-"""OpenAI request bodies and error shapes, as the official clients send and expect them."""
+"""OpenAI request bodies and error shapes, as the official clients send and expect them: read within the
+server's limits, decoded, validated."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from rayapp.engine.sampling_params import SamplingParams
+from rayapp.config import LimitSettings
+from rayapp.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -29,9 +33,38 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Fields that change the answer, of OpenAI's API and of vLLM's server, that rayapp does not implement, each with
+# the values that leave the answer as it is. A request asking for anything else gets a 400 naming the field,
+# never an answer that silently is not what it asked for.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, None),
+    "frequency_penalty": (0, None),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "prediction": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "min_p": (0, None),
+    "repetition_penalty": (1, None),
+    "min_tokens": (0, None),
+    "use_beam_search": (False, None),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+_UNSUPPORTED_COMPLETIONS = {**_UNSUPPORTED, "best_of": (None, 1), "echo": (False, None), "suffix": (None, "")}
+
+
 class _Sampling(BaseModel):
-    # Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working.
+    # Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working (but see _UNSUPPORTED).
     model_config = ConfigDict(extra="ignore")
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -56,6 +89,7 @@ class _Sampling(BaseModel):
             stop=self.stop_strings,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            logprobs=self.requested_logprobs,
         )
 
     @property
@@ -87,6 +121,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -94,7 +141,14 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED_COMPLETIONS
     prompt: str | list[int]
+    # The legacy endpoint's `logprobs` is the number of alternatives, at most 5.
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -116,9 +170,73 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate a JSON body; a bad one becomes a 400 naming the offending parameter."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    for name, neutral in getattr(model, "unsupported", {}).items():
+        # bool is an int in Python: True must not pass for 1, nor False for 0.
+        if name in body and not any(
+            body[name] == v and isinstance(body[name], bool) == isinstance(v, bool) for v in neutral
+        ):
+            raise APIError(
+                400, f"{name} is not supported by this server; leave it out", param=name, code="unsupported_parameter"
+            )
     try:
         return model.model_validate(body)
     except ValidationError as error:
         first = error.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         raise APIError(400, f"{param}: {first['msg']}", param=param) from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to pass `limit` bytes (declared or as received)."""
+    too_large = APIError(
+        413, f"the request body is larger than this server's limit of {limit} bytes", code="request_too_large"
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode_json(raw: bytes) -> Any:
+    """The body's JSON value; anything that is not JSON text (or that no tokenizer could take) is a 400."""
+    try:
+        body = json.loads(raw)
+        # JSON escapes can spell lone surrogates, which no tokenizer accepts: refuse them here.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    except ValueError as error:  # not JSON, not UTF-8, or an integer literal too long to convert
+        raise APIError(400, f"the request body is not valid JSON text: {error}") from None
+    return body
+
+
+def check_sizes(body: ChatCompletionRequest | CompletionRequest, limits: LimitSettings, prompt_chars: int) -> None:
+    """The limits on messages, the prompt's characters and the stop strings, before any templating or tokenizing."""
+    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    if isinstance(body, ChatCompletionRequest) and len(body.messages) > limits.max_messages:
+        raise APIError(
+            400, f"{len(body.messages)} messages are more than this server's limit of {limits.max_messages}",
+            param="messages",
+        )  # fmt: skip
+    if prompt_chars > limits.max_prompt_chars:
+        raise APIError(
+            400, f"the {param} hold {prompt_chars} characters, more than this server's limit of "
+            f"{limits.max_prompt_chars}", param=param,
+        )  # fmt: skip
+    stops = body.stop_strings
+    if len(stops) > limits.max_stop_strings:
+        raise APIError(
+            400, f"{len(stops)} stop strings are more than this server's limit of {limits.max_stop_strings}",
+            param="stop",
+        )  # fmt: skip
+    if any(len(stop) > limits.max_stop_chars for stop in stops):
+        raise APIError(
+            400, f"a stop string is longer than this server's limit of {limits.max_stop_chars} characters",
+            param="stop",
+        )  # fmt: skip

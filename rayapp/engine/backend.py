@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rayapp.engine.kv_events import BlockHash, KVEvent
+from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampling_params import SamplingParams
 
 
@@ -57,6 +58,8 @@ class GenerateDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     usage: Usage | None = None
+    # One per token of `token_ids` when the request's SamplingParams ask for logprobs.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -15,7 +15,7 @@ from rayapp.engine.kv_events import AllCleared, BlockHash, KVEvent
 from rayapp.engine.kv_transfer import KVTransfer, TierBlock, TierPlan, TierPort
 from rayapp.engine.layerwise_kv import LayerwiseKV
 from rayapp.engine.model_runner import ModelRunner
-from rayapp.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from rayapp.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from rayapp.engine.sampler import make_generator
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.engine.scheduler import Scheduler
@@ -36,6 +36,8 @@ class Request:
     prompt_token_ids: list[int]
     detokenizer: IncrementalDetokenizer
     max_new_tokens: int
+    # Each output token's logprobs, when its SamplingParams ask for them.
+    logprobs: list[TokenLogprob] | None = None
     counted_cached: bool = False
     # Prompt tokens [start, end) whose pages were loaded from the cluster tier for this request.
     tier_tokens: tuple[int, int] = (0, 0)
@@ -210,7 +212,7 @@ class LLMEngine:
         detok = IncrementalDetokenizer(
             self.tokenizer, ids[:cut], params.stop, delivered_ids=ids[cut:], delivered_chars=delivered_chars
         )
-        return Request(seq, prompt, ids, detok, max_new)
+        return Request(seq, prompt, ids, detok, max_new, [] if params.logprobs is not None else None)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its pages; returns its last output, or None if it is unknown or done."""
@@ -238,7 +240,7 @@ class LLMEngine:
             self.sparse.begin_step()
         if not batch.seqs:
             return []
-        tokens = self.runner.run(batch)
+        tokens, logprobs = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
@@ -249,7 +251,7 @@ class LLMEngine:
         if self.layerwise is not None:
             self.layerwise.after_step(batch.seqs)
         outputs = []
-        for seq, token in zip(batch.seqs, tokens):
+        for seq, token, logprob in zip(batch.seqs, tokens, logprobs):
             req = self._requests[seq.seq_id]
             if not req.counted_cached:
                 req.counted_cached = True
@@ -260,12 +262,14 @@ class LLMEngine:
                 (start, end), req.tier_reloaded = req.tier_reloaded, None
                 self._counters["tier_reloaded_tokens"] += max(0, min(end, seq.num_cached_tokens) - start)
             if token is not None:
-                outputs.append(self._append(req, token))
+                outputs.append(self._append(req, token, logprob))
         return outputs
 
-    def _append(self, req: Request, token: int) -> RequestOutput:
+    def _append(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         seq = req.seq
         seq.append_token(token)
+        if req.logprobs is not None:
+            req.logprobs.append(logprob)
         self._counters["generation_tokens"] += 1
         delta = req.detokenizer.add_token(token)
         reason: str | None = None
@@ -283,7 +287,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             self._forget(seq)
             del self._requests[seq.seq_id]
-        return self._output(req, [token], delta, stop_reason)
+        return self._output(req, [token], delta, stop_reason, [logprob])
 
     def _forget(self, seq: Sequence) -> None:
         """Drop `seq`'s sparse and layer-wise state (its pages were released by the scheduler)."""
@@ -293,7 +297,12 @@ class LLMEngine:
             self.layerwise.drop(seq)
 
     def _output(
-        self, req: Request, delta_ids: list[int], delta_text: str, stop_reason: str | int | None = None
+        self,
+        req: Request,
+        delta_ids: list[int],
+        delta_text: str,
+        stop_reason: str | int | None = None,
+        delta_logprobs: list[TokenLogprob | None] = (),
     ) -> RequestOutput:
         seq = req.seq
         completion = CompletionOutput(
@@ -304,6 +313,8 @@ class LLMEngine:
             stop_reason=stop_reason,
             delta_text=delta_text,
             delta_token_ids=delta_ids,
+            logprobs=req.logprobs,
+            delta_logprobs=None if req.logprobs is None else list(delta_logprobs),
         )
         return RequestOutput(
             request_id=seq.seq_id,

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from rayapp.config import DTYPES, EngineConfig
-from rayapp.engine.sampler import Sampler
+from rayapp.engine.outputs import TokenLogprob
+from rayapp.engine.sampler import Sampler, token_logprobs
 from rayapp.engine.scheduler import ScheduledBatch
 from rayapp.engine.sequence import Sequence
 from rayapp.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
@@ -146,21 +147,29 @@ class ModelRunner:
         return max(1, int(self.config.cache.kv_cache_memory_gb * 2**30) // self.page_bytes)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
+    def run(self, batch: ScheduledBatch) -> tuple[list[int | None], list[TokenLogprob | None]]:
         """Compute the batch's tokens; return the sampled token of each sequence that reached its end
-        (None for a sequence whose prefill chunk stopped short of its last token)."""
+        (None for a sequence whose prefill chunk stopped short of its last token), and its logprobs
+        where its SamplingParams ask for them."""
         input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(batch)
         attention = PagedAttention(self.k_cache, self.v_cache, meta, self.scale, self.sparse, self.layerwise)
         hidden = self.model(input_ids, positions, attention)
         tokens: list[int | None] = [None] * len(batch.seqs)
+        logprobs: list[TokenLogprob | None] = [None] * len(batch.seqs)
         if not sample_rows:
-            return tokens
+            return tokens, logprobs
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         params = [batch.seqs[i].params for i in sample_seqs]
         generators = [batch.seqs[i].generator for i in sample_seqs]
-        for i, tok in zip(sample_seqs, self.sampler(logits, params, generators).tolist()):
+        sampled = self.sampler(logits, params, generators).tolist()
+        for i, tok in zip(sample_seqs, sampled):
             tokens[i] = tok
-        return tokens
+        wanted = [j for j, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            top = [params[j].logprobs for j in wanted]
+            for j, lp in zip(wanted, token_logprobs(logits[wanted], [sampled[j] for j in wanted], top)):
+                logprobs[sample_seqs[j]] = lp
+        return tokens, logprobs
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[Tensor, Tensor, AttentionMetadata, list[int], list[int]]:
         bs, nd = self.block_size, batch.num_decodes

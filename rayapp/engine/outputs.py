@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability (log-softmax of the model's logits at its position, before any
+    temperature or filtering, as vLLM's default `raw_logprobs`), and the `top` most likely tokens there
+    with theirs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -18,6 +29,9 @@ class CompletionOutput:
     # What this output adds to the previous one of the same request (for streaming).
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # With SamplingParams.logprobs: one per token of `token_ids` and of `delta_token_ids`.
+    logprobs: list[TokenLogprob] | None = None
+    delta_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

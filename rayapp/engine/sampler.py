@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampling_params import SamplingParams
 
 # Temperatures below this are greedy, as in vLLM: dividing by them overflows float32 logits.
@@ -79,6 +80,20 @@ class Sampler:
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         sampled = (probs / noise).argmax(dim=-1)  # [B]
         return torch.where(settings[:, 3] > 0, greedy_ids, sampled)
+
+
+def token_logprobs(logits: Tensor, token_ids: list[int], top: list[int]) -> list[TokenLogprob]:
+    """Each row's chosen token's log-probability under log_softmax(logits), with the row's `top[i]` most likely
+    tokens (logits: [B, V]; ties in the top go to the lower id, as torch.topk on CPU)."""
+    logp = logits.float().log_softmax(dim=-1)  # [B, V]
+    chosen = logp.gather(1, torch.tensor(token_ids, device=logp.device)[:, None])[:, 0].tolist()  # [B]
+    k = max(top)
+    values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())  # [B, k] each
+    values, ids = values.tolist(), ids.tolist()
+    return [
+        TokenLogprob(t, c, tuple(zip(ids[i][: top[i]], values[i][: top[i]])))
+        for i, (t, c) in enumerate(zip(token_ids, chosen))
+    ]
 
 
 def _top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Most alternatives per token `logprobs` may ask for (OpenAI's chat API allows 20).
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -12,6 +15,8 @@ class SamplingParams:
     `temperature == 0` is greedy. `top_k <= 0` (or -1) disables top-k. `seed` makes a sampled
     request reproducible. `stop` strings end generation and are cut from the text;
     `stop_token_ids` end generation like EOS does (unless `ignore_eos`, which only affects EOS).
+    `logprobs`: each generated token's log-probability, with that many of the most likely tokens at
+    its position (0: the generated token's only; None: none), as vLLM's `logprobs`.
     """
 
     max_tokens: int | None = 16
@@ -22,6 +27,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string or any sequence from users, store an immutable tuple.
@@ -43,6 +49,8 @@ class SamplingParams:
             raise ValueError("stop must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must hold non-negative integers")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_LOGPROBS}] (None: none)")
 
     @property
     def greedy(self) -> bool:

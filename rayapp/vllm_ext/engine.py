@@ -37,6 +37,7 @@ from rayapp.config.app import VLLM_SHARED_KWARGS
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
 from rayapp.engine.detokenizer import IncrementalDetokenizer
 from rayapp.engine.kv_events import KVEvent
+from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.loader import DEFAULT_MODEL, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
@@ -124,8 +125,19 @@ def _sampling(params: SamplingParams, own_text: bool = False) -> VLLMSamplingPar
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         detokenize=not own_text,
+        logprobs=params.logprobs,
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def _logprobs(positions: list[dict[int, Any]], token_ids: list[int], top: int) -> list[TokenLogprob]:
+    """vLLM's per-position logprobs (token id -> Logprob, the sampled token and the `top` most likely) as rayapp's."""
+    out = []
+    for token_id, position in zip(token_ids, positions):
+        ranked = sorted(position.items(), key=lambda item: item[1].rank)
+        best = tuple((t, lp.logprob) for t, lp in ranked if lp.rank <= top)
+        out.append(TokenLogprob(token_id, position[token_id].logprob, best))
+    return out
 
 
 def _own_text(detok: IncrementalDetokenizer, token_ids: list[int], finished: bool) -> tuple[str, list[int]]:
@@ -237,9 +249,13 @@ class VLLMBackend:
                 async for out in stream:
                     completion = out.outputs[0]
                     text, token_ids = completion.text, list(completion.token_ids)
+                    logprobs = None
+                    if request.sampling.logprobs is not None:
+                        logprobs = _logprobs(completion.logprobs or [], token_ids, request.sampling.logprobs)
                     finished, reason = out.finished, completion.finish_reason
                     if detok is not None:
                         text, token_ids = _own_text(detok, token_ids, finished)
+                        logprobs = None if logprobs is None else logprobs[: len(token_ids)]
                         if detok.stop_matched is not None:
                             finished, reason = True, "stop"
                     generated += len(token_ids)
@@ -252,7 +268,7 @@ class VLLMBackend:
                         self._stats.counters["cached_prompt_tokens"] += cached
                         self._stats.counters["tier_loaded_tokens"] += tier.get(LOADED_TOKENS_PARAM, 0)
                         usage = Usage(prompt_tokens, generated, cached)
-                    yield GenerateDelta(text, token_ids, reason if finished else None, usage)
+                    yield GenerateDelta(text, token_ids, reason if finished else None, usage, logprobs)
                     if finished:
                         return
         except VLLMEngineDeadError as error:

@@ -62,10 +62,17 @@ def client(base_url):
 
 @pytest.fixture(scope="module")
 def offline(config, model_dir, tokenizer):
-    """`offline(messages, max_tokens)`: the reference greedy answer of the engine under test."""
+    """`offline(messages, max_tokens)`: the reference greedy answer of the engine under test;
+    `offline.logprobs(messages, max_tokens, k)`: its tokens' (logprob, top-k logprobs) per position."""
     if config.engine == "rayapp":
         llm = LLM(dtype="float32", kv_cache_memory_gb=0.5)
-        yield lambda messages, n: llm.chat(messages, SamplingParams(temperature=0, max_tokens=n))[0].outputs[0].text
+
+        def generate(messages, n, k=None):
+            out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=n, logprobs=k))[0].outputs[0]
+            lps = [(lp.logprob, [v for _, v in lp.top]) for lp in out.logprobs or ()]
+            return out.text, lps
+
+        yield _Reference(generate)
         return
     import vllm
     from vllm.inputs import TokensPrompt
@@ -78,13 +85,29 @@ def offline(config, model_dir, tokenizer):
         kv_cache_memory_bytes=1 << 29,
     )
 
-    def answer(messages, n):
+    def generate(messages, n, k=None):
         prompt = TokensPrompt(prompt_token_ids=chat_token_ids(tokenizer, messages))
-        params = vllm.SamplingParams(temperature=0, max_tokens=n)
-        return reference.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+        params = vllm.SamplingParams(temperature=0, max_tokens=n, logprobs=k)
+        out = reference.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        lps = []
+        for token, position in zip(out.token_ids, out.logprobs or ()):
+            ranked = sorted(position.items(), key=lambda item: item[1].rank)
+            lps.append((position[token].logprob, [lp.logprob for _, lp in ranked if lp.rank <= k]))
+        return out.text, lps
 
-    yield answer
+    yield _Reference(generate)
     reference.llm_engine.engine_core.shutdown()
+
+
+class _Reference:
+    def __init__(self, generate) -> None:
+        self._generate = generate
+
+    def __call__(self, messages, n):
+        return self._generate(messages, n)[0]
+
+    def logprobs(self, messages, n, k):
+        return self._generate(messages, n, k)[1]
 
 
 def _metric(base_url: str, name: str) -> float:
@@ -159,6 +182,34 @@ def test_streamed_chat_joins_to_the_same_answer_with_usage_last(client, offline)
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the question was asked before
 
 
+def test_logprobs_are_the_engines_own_streamed_or_not(base_url, client, offline):
+    expected = offline.logprobs(QUESTION, 12, 3)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == len(expected)
+    for got, (logprob, top) in zip(content, expected):
+        assert abs(got.logprob - logprob) < 1e-4 and [t.logprob for t in got.top_logprobs] == pytest.approx(
+            top, abs=1e-4
+        )
+        assert bytes(got.bytes).decode("utf-8", "replace") == got.token
+    # Every generated token has its entry, the end-of-turn token too (whose text the answer leaves out).
+    assert "".join(t.token for t in content).startswith(reply.choices[0].message.content)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    )
+    streamed = [t for chunk in stream for c in chunk.choices if c.logprobs for t in c.logprobs.content]
+    assert [t.logprob for t in streamed] == [t.logprob for t in content]
+    legacy = _post(
+        base_url,
+        {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "logprobs": 2, "ignore_eos": True},
+        path="/v1/completions",
+    ).json()["choices"][0]["logprobs"]
+    assert len(legacy["tokens"]) == len(legacy["token_logprobs"]) == len(legacy["top_logprobs"]) == 4
+    assert legacy["text_offset"][0] == 0 and all(len(top) == 2 for top in legacy["top_logprobs"])
+
+
 def test_second_turn_reuses_the_first_turns_pages(client, offline, config):
     messages = [SYSTEM, {"role": "user", "content": "Name a large river in Europe."}]
     first = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
@@ -194,6 +245,16 @@ def test_completions_endpoint(base_url, client):
         ({"model": MODEL, "messages": QUESTION, "n": 2}, 400, "n"),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
         ({"model": "gpt-4", "messages": QUESTION}, 404, "model"),
+        # Known fields that would change the answer and are not implemented: refused, never silently dropped.
+        ({"model": MODEL, "messages": QUESTION, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"model": MODEL, "messages": QUESTION, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        (
+            {"model": MODEL, "messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            400,
+            "tools",
+        ),
+        ({"model": MODEL, "messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs"),
+        ({"model": MODEL, "messages": QUESTION, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ],
 )
 def test_bad_requests_get_openai_errors(base_url, body, status, param):

@@ -126,3 +126,21 @@ def test_greedy_matches_transformers_when_pages_run_out_and_sequences_are_preemp
     stats = llm.stats()
     assert stats["num_preemptions"] > 0
     assert stats["pages_used"] == 0 and stats["pages_free"] == stats["pages_total"]
+
+
+@pytest.mark.slow
+def test_logprobs_equal_the_log_softmax_of_transformers_logits(prompts, reference):
+    llm = LLM(dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for out, (ref_tokens, ref_logits) in zip(outputs, reference):
+        got = out.outputs[0]
+        assert len(got.logprobs) == len(got.token_ids)
+        ref_logp = ref_logits.log_softmax(dim=-1)
+        for i, (token, lp) in enumerate(zip(got.token_ids, got.logprobs)):
+            if token != ref_tokens[i]:
+                break  # a near-tie divergence (test above): the positions after it differ
+            assert lp.token_id == token and abs(lp.logprob - float(ref_logp[i, token])) < 1e-4
+            values, ids = ref_logp[i].topk(5)
+            assert [t for t, _ in lp.top] == ids.tolist() or float(values[3] - values[4]) < 1e-4
+            assert max(abs(v - float(ref_logp[i, t])) for t, v in lp.top) < 1e-4
