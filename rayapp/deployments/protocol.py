@@ -7,10 +7,10 @@ import json
 from typing import Any, ClassVar, Literal
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rayapp.config import LimitSettings
-from rayapp.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from rayapp.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 
 class APIError(Exception):
@@ -40,7 +40,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, None),
     "frequency_penalty": (0, None),
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -78,6 +77,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         """This request's SamplingParams; ValueError names a bad field."""
@@ -90,6 +90,7 @@ class _Sampling(BaseModel):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs,
+            structured=None if self.response_format is None else self.response_format.structured(),
         )
 
     @property
@@ -99,6 +100,31 @@ class _Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput()
+        return StructuredOutput(json.dumps(self.json_schema.schema_))
 
 
 class StreamOptions(BaseModel):

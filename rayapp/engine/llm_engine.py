@@ -21,6 +21,7 @@ from rayapp.engine.sampling_params import SamplingParams
 from rayapp.engine.scheduler import Scheduler
 from rayapp.engine.sequence import Sequence
 from rayapp.engine.sparse_kv import SparseKV
+from rayapp.engine.structured import Grammars, accept
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 from rayapp.sparse.policy import AttentionMode
@@ -79,6 +80,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.grammars = Grammars(self.tokenizer, self.spec.vocab_size)
         self._requests: dict[str, Request] = {}
         self._counters = {"num_requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
         self._counters["tier_loaded_tokens"] = 0  # of the cached prompt tokens, those loaded from the cluster tier
@@ -202,6 +204,8 @@ class LLMEngine:
             raise ValueError(f"got {len(block_hashes)} block hashes for a {len(ids)}-token prompt")
         seq = Sequence(request_id, ids, params, cache_salt=cache_salt, block_hashes=block_hashes)
         seq.generator = make_generator(params, self.runner.device)
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(params.structured)
         if self.sparse is not None and self.sparse.policy.mode(len(ids)) is not AttentionMode.DENSE:
             seq.min_recompute_tokens = min(len(ids), self.config.sparse.scoring_queries)
         if self.layerwise is not None and self.layerwise.compresses(seq):  # the window's queries score the prompt
@@ -280,6 +284,8 @@ class LLMEngine:
             reason, stop_reason = "stop", token
         elif req.detokenizer.stop_matched is not None:
             reason, stop_reason = "stop", req.detokenizer.stop_matched
+        elif seq.grammar is not None and accept(seq.grammar, token):
+            reason = "stop"  # the JSON value is complete
         elif seq.num_output_tokens >= req.max_new_tokens:
             reason = "length"
         if reason is not None:

@@ -16,6 +16,7 @@ from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampler import Sampler, token_logprobs
 from rayapp.engine.scheduler import ScheduledBatch
 from rayapp.engine.sequence import Sequence
+from rayapp.engine.structured import constrain
 from rayapp.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
 from rayapp.models.llama import load_model
 from rayapp.models.loader import ModelSpec, load_state_dict
@@ -161,7 +162,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         params = [batch.seqs[i].params for i in sample_seqs]
         generators = [batch.seqs[i].generator for i in sample_seqs]
-        sampled = self.sampler(logits, params, generators).tolist()
+        constrained = constrain(logits, [batch.seqs[i].grammar for i in sample_seqs])
+        sampled = self.sampler(constrained, params, generators).tolist()
         for i, tok in zip(sample_seqs, sampled):
             tokens[i] = tok
         wanted = [j for j, p in enumerate(params) if p.logprobs is not None]

@@ -9,6 +9,14 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """Output constrained to JSON: a value matching `json_schema` (JSON Schema text), or any JSON object when
+    it is None (OpenAI's `response_format` json_schema and json_object)."""
+
+    json_schema: str | None = None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
@@ -16,7 +24,8 @@ class SamplingParams:
     request reproducible. `stop` strings end generation and are cut from the text;
     `stop_token_ids` end generation like EOS does (unless `ignore_eos`, which only affects EOS).
     `logprobs`: each generated token's log-probability, with that many of the most likely tokens at
-    its position (0: the generated token's only; None: none), as vLLM's `logprobs`.
+    its position (0: the generated token's only; None: none), as vLLM's `logprobs`. `structured`:
+    constrained decoding to JSON (`StructuredOutput`).
     """
 
     max_tokens: int | None = 16
@@ -28,6 +37,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string or any sequence from users, store an immutable tuple.

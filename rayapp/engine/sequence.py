@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rayapp.engine.kv_events import BlockHash
 from rayapp.engine.sampling_params import SamplingParams
@@ -56,6 +56,8 @@ class Sequence:
         self.num_preemptions = 0
         # Set by the engine for seeded sampling: the sequence's own random stream.
         self.generator: torch.Generator | None = None
+        # Set by the engine for structured output: the grammar matcher its tokens advance.
+        self.grammar: Any = None
         # Prompt tokens a prefix-cache hit must leave to compute (sparse retrieval scores blocks with
         # the queries of the prompt's last tokens, so they are recomputed, never served from cache).
         self.min_recompute_tokens = 1

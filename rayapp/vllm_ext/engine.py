@@ -27,7 +27,7 @@ from vllm.config import KVEventsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -38,7 +38,8 @@ from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta,
 from rayapp.engine.detokenizer import IncrementalDetokenizer
 from rayapp.engine.kv_events import KVEvent
 from rayapp.engine.outputs import TokenLogprob
-from rayapp.engine.sampling_params import SamplingParams
+from rayapp.engine.sampling_params import SamplingParams, StructuredOutput
+from rayapp.engine.structured import ANY_OBJECT
 from rayapp.models.loader import DEFAULT_MODEL, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM, kv_transfer_config
@@ -126,8 +127,15 @@ def _sampling(params: SamplingParams, own_text: bool = False) -> VLLMSamplingPar
         ignore_eos=params.ignore_eos,
         detokenize=not own_text,
         logprobs=params.logprobs,
+        structured_outputs=None if params.structured is None else _structured(params.structured),
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def _structured(spec: StructuredOutput) -> StructuredOutputsParams:
+    """vLLM's structured outputs for rayapp's: the same compact JSON (no free whitespace) as rayapp's engine."""
+    schema = spec.json_schema if spec.json_schema is not None else ANY_OBJECT
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 def _logprobs(positions: list[dict[int, Any]], token_ids: list[int], top: int) -> list[TokenLogprob]:
