@@ -18,13 +18,13 @@ import psutil
 import psycopg
 import pytest
 import ray
+from test_kvtier_catalog import chain, rows
+from test_kvtier_store import BLOCK_BYTES, DIM, chain_hashes, encoded_chain
 
 from rayapp.kvtier import embedded
 from rayapp.kvtier.catalog import Catalog, ChainMatch
 from rayapp.kvtier.embedded import EmbeddedPostgres, _free_port, start_embedded_database, stop_embedded_database
 from rayapp.kvtier.store import KVTierStore
-from tests.kvtier.test_kvtier_catalog import chain, rows
-from tests.kvtier.test_kvtier_store import BLOCK_BYTES, DIM, chain_hashes, encoded_chain
 
 
 def _server_processes(db: EmbeddedPostgres) -> list[psutil.Process]:
