@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence as Seq
@@ -10,7 +11,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rayapp.engine.llm_engine import LLMEngine
-from rayapp.engine.outputs import RequestOutput
+from rayapp.engine.outputs import CompletionOutput, RequestOutput
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.tokenizer import Message, chat_token_ids
 
@@ -100,10 +101,14 @@ class LLM:
             self.engine.enqueue(request)
         order = {r.seq.seq_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
+        # Each step's output holds the answers that progressed: the latest of each, by index, make the result.
+        answers: list[dict[int, CompletionOutput]] = [{} for _ in requests]
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                i = order[out.request_id]
+                answers[i].update((c.index, c) for c in out.outputs)
                 if out.finished:
-                    results[order[out.request_id]] = out
+                    results[i] = dataclasses.replace(out, outputs=[c for _, c in sorted(answers[i].items())])
         return [r for r in results if r is not None]
 
 

@@ -136,6 +136,7 @@ class LimitSettings(BaseModel):
     )
     max_stop_strings: int = Field(64, ge=0, description="Most stop strings in one request")
     max_stop_chars: int = Field(1024, ge=1, description="Longest stop string, in characters")
+    max_n: int = Field(16, ge=1, description="Most answers (`n`) one request may ask for")
 
 
 class LayerwiseSettings(BaseModel):

@@ -66,14 +66,16 @@ class RayappBackend:
             delivered_tokens=request.delivered_tokens,
             delivered_chars=request.delivered_chars,
         )
+        generated = 0
         async for out in stream:
-            completion = out.outputs[0]
+            completion = out.outputs[0]  # the answer that progressed
+            generated += len(completion.delta_token_ids)
             usage = None
             if out.finished:
-                usage = Usage(len(out.prompt_token_ids), len(completion.token_ids), out.num_cached_tokens)
+                usage = Usage(len(out.prompt_token_ids), generated, out.num_cached_tokens)
             yield GenerateDelta(
                 completion.delta_text, completion.delta_token_ids, completion.finish_reason, usage,
-                completion.delta_logprobs,
+                completion.delta_logprobs, completion.index,
             )  # fmt: skip
 
     async def abort(self, request_id: str) -> None:

@@ -109,62 +109,124 @@ def _api_keys(config: AppConfig) -> tuple[str, ...]:
     return tuple(keys)
 
 
-class _Generation:
-    """One admitted request's replica stream, holding one in-flight slot until released (exactly once).
+@dataclasses.dataclass
+class _Answer:
+    """One of a request's answers, as far as the client has received it."""
 
-    If the replica dies mid-request (crash, node loss, scale-down), the request moves to another
-    replica and continues after the tokens already produced, so the client sees one uninterrupted
-    answer. (A sampled request continues with fresh randomness; a greedy one is unchanged.)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    delivered_chars: int = 0
+    finished: bool = False
+
+
+# Marks the end of one replica stream in `_Generation`'s queue.
+_END = object()
+
+
+class _Generation:
+    """One admitted request's replica streams, holding one in-flight slot until released (exactly once).
+
+    The request goes to one replica, which computes its prompt once for all `n` answers. If the replica
+    dies mid-request (crash, node loss, scale-down), each unfinished answer moves to another replica and
+    continues after the tokens already produced, so the client sees uninterrupted answers. (A sampled
+    answer continues with fresh randomness; a greedy one is unchanged.) Each stream is read by a task of
+    its own into one queue, so the answers of moved streams interleave as they come.
     """
 
     def __init__(self, ingress: Any, request: EngineRequest) -> None:
         self.ingress, self.request = ingress, request
-        self.generated: list[int] = []
-        self.delivered_chars = 0
+        self.answers = [_Answer() for _ in range(request.sampling.n)]
         self.failures = 0
         self.released = False
+        # Prompt tokens the first replica to report found cached (a moved answer's prompt holds output too).
+        self.cached_tokens: int | None = None
+        self._queue: asyncio.Queue[tuple[tuple[int, ...], Any]] = asyncio.Queue()
+        self._streams: list[Any] = []
+        self._readers: list[asyncio.Task] = []
+        self._done = False
         ingress.inflight += 1
-        self.stream = ingress.replica.options(stream=True).generate.remote(request)
+        self._open(request, tuple(range(request.sampling.n)))
 
-    async def next(self) -> GenerateDelta:
-        """The next delta, with usage counted over the whole request; an engine rejection becomes a 400."""
+    def _open(self, request: EngineRequest, answers: tuple[int, ...]) -> None:
+        """Stream `request` from a replica; its answer i is this request's answer `answers[i]`."""
+        stream = self.ingress.replica.options(stream=True).generate.remote(request)
+        self._streams.append(stream)
+        self._readers.append(asyncio.get_running_loop().create_task(self._read(stream, answers)))
+
+    async def _read(self, stream: Any, answers: tuple[int, ...]) -> None:
         while True:
             try:
-                item: GenerateDelta = await self.stream.__anext__()
-            except RayTaskError as error:
-                if isinstance(error.cause, ValueError):
-                    raise APIError(400, str(error.cause)) from None
-                if not isinstance(error.cause, EngineDeadError):
-                    raise
-                self._move()  # the replica lives but its engine died: Serve replaces it, the request moves
+                item = await stream.__anext__()
+            except StopAsyncIteration:
+                self._queue.put_nowait((answers, _END))
+                return
+            except Exception as error:
+                self._queue.put_nowait((answers, error))
+                return
+            self._queue.put_nowait((answers, item))
+
+    async def next(self) -> GenerateDelta:
+        """The next delta, indexed and with usage counted over the whole request; an engine rejection
+        becomes a 400. The request's last delta (`last`) comes once every answer finished."""
+        while True:
+            answers, item = await self._queue.get()
+            if isinstance(item, RayTaskError):
+                if isinstance(item.cause, ValueError):
+                    raise APIError(400, str(item.cause)) from None
+                if not isinstance(item.cause, EngineDeadError):
+                    raise item
+                self._move(answers)  # the replica lives but its engine died: Serve replaces it, the answers move
                 continue
-            except RayActorError:
-                self._move()
+            if isinstance(item, RayActorError):
+                self._move(answers)
                 continue
-            self.generated.extend(item.token_ids)
-            self.delivered_chars += len(item.text)
-            if item.usage is not None:
-                prompt_tokens = len(self.request.prompt_token_ids)
-                usage = Usage(prompt_tokens, len(self.generated), min(item.usage.cached_tokens, prompt_tokens))
-                item = dataclasses.replace(item, usage=usage)
+            if isinstance(item, BaseException):
+                raise item
+            if item is _END:
+                if any(not self.answers[i].finished for i in answers):
+                    raise RuntimeError("a replica ended a stream before its answers finished")
+                if all(a.finished for a in self.answers) and not self._done:
+                    return self._last(GenerateDelta("", []))
+                continue
+            if item.usage is not None and self.cached_tokens is None:
+                self.cached_tokens = item.usage.cached_tokens
+            index = answers[item.index]
+            answer = self.answers[index]
+            answer.generated.extend(item.token_ids)
+            answer.delivered_chars += len(item.text)
+            answer.finished = item.finished
+            item = dataclasses.replace(item, index=index, usage=None)
+            if answer.finished and all(a.finished for a in self.answers):
+                return self._last(item)
             return item
 
-    def _move(self) -> None:
-        """Continue on another replica after this one failed (at most MAX_REPLICA_FAILURES times)."""
+    def _last(self, item: GenerateDelta) -> GenerateDelta:
+        self._done = True
+        prompt_tokens = len(self.request.prompt_token_ids)
+        generated = sum(len(a.generated) for a in self.answers)
+        cached = min(self.cached_tokens or 0, prompt_tokens)
+        return dataclasses.replace(item, usage=Usage(prompt_tokens, generated, cached))
+
+    def _move(self, answers: tuple[int, ...]) -> None:
+        """Continue the unfinished `answers` on another replica (each request at most MAX_REPLICA_FAILURES
+        times)."""
         self.failures += 1
         if self.failures > MAX_REPLICA_FAILURES:
             raise RuntimeError(f"the request failed on {self.failures} replicas")
         self.ingress.moved_requests += 1
-        self.stream = self.ingress.replica.options(stream=True).generate.remote(self._continuation())
+        for i in answers:
+            if not self.answers[i].finished:
+                self._open(self._continuation(i), (i,))
 
-    def _continuation(self) -> EngineRequest:
-        """The rest of the request: the prompt plus what was generated, asking for what is left."""
-        sampling = self.request.sampling
+    def _continuation(self, i: int) -> EngineRequest:
+        """The rest of answer `i`: the prompt plus what it generated, asking for what is left."""
+        answer, sampling = self.answers[i], dataclasses.replace(self.request.sampling, n=1)
         if sampling.max_tokens is not None:
-            sampling = dataclasses.replace(sampling, max_tokens=max(1, sampling.max_tokens - len(self.generated)))
-        ids = self.request.prompt_token_ids + self.generated
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, sampling.max_tokens - len(answer.generated)))
+        ids = self.request.prompt_token_ids + answer.generated
         request = self.ingress.generate_request(ids, self.request.cache_salt, sampling, self.request.prompt)
-        return dataclasses.replace(request, delivered_tokens=len(self.generated), delivered_chars=self.delivered_chars)
+        return dataclasses.replace(
+            request, delivered_tokens=len(answer.generated), delivered_chars=answer.delivered_chars
+        )
 
     def release(self, cancel: bool) -> None:
         if self.released:
@@ -172,7 +234,9 @@ class _Generation:
         self.released = True
         self.ingress.inflight -= 1
         if cancel:
-            self.stream.cancel()
+            for reader, stream in zip(self._readers, self._streams):
+                reader.cancel()
+                stream.cancel()
 
 
 # Defined after the helpers above: serve.ingress freezes a copy of the routes, with the module
@@ -349,13 +413,17 @@ class OpenAIIngress:
             return StreamingResponse(sse, media_type="text/event-stream")
         try:
             items = [first]
-            while not items[-1].finished:
+            while not items[-1].last:
                 items.append(await generation.next())
         finally:
             generation.release(cancel=False)
-        logprobs = None
+        logprobs: list[dict[str, Any] | None] = [None] * body.n
         if body.requested_logprobs is not None:
-            logprobs = self.logprobs.render([lp for i in items for lp in i.logprobs or ()], kind == "chat.completion")
+            chat = kind == "chat.completion"
+            logprobs = [
+                self.logprobs.render([lp for i in items if i.index == k for lp in i.logprobs or ()], chat)
+                for k in range(body.n)
+            ]
         return JSONResponse(full_response(items, kind, response_id, self.served_name, logprobs))
 
     def generate_request(
@@ -375,22 +443,24 @@ class OpenAIIngress:
         self, generation: _Generation, first: GenerateDelta, body: Any, kind: str, response_id: str
     ) -> AsyncIterator[str]:
         created, chat, model = int(time.time()), kind == "chat.completion", self.served_name
-        wants_logprobs, text_offset = body.requested_logprobs is not None, 0
+        wants_logprobs, text_offsets = body.requested_logprobs is not None, [0] * body.n
         finished = False
         try:
             if chat:
-                yield stream_chunk(response_id, created, model, chat, None, None, role=True)
+                for index in range(body.n):
+                    yield stream_chunk(response_id, created, model, chat, None, None, role=True, index=index)
             item = first
             while True:
                 logprobs = None
                 if wants_logprobs and item.logprobs:
-                    logprobs = self.logprobs.render(item.logprobs, chat, text_offset)
-                    text_offset += self.logprobs.text_length(item.logprobs)
+                    logprobs = self.logprobs.render(item.logprobs, chat, text_offsets[item.index])
+                    text_offsets[item.index] += self.logprobs.text_length(item.logprobs)
                 if item.text or item.finished or logprobs is not None:
                     yield stream_chunk(
-                        response_id, created, model, chat, item.text, item.finish_reason, logprobs=logprobs
-                    )
-                if item.finished:
+                        response_id, created, model, chat, item.text, item.finish_reason, logprobs=logprobs,
+                        index=item.index,
+                    )  # fmt: skip
+                if item.last:
                     finished = True
                     if body.include_usage:
                         obj = "chat.completion.chunk" if chat else kind

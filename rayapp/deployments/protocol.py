@@ -75,7 +75,7 @@ class _Sampling(BaseModel):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    n: int = Field(1, ge=1)
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
 
@@ -91,6 +91,7 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs,
             structured=None if self.response_format is None else self.response_format.structured(),
+            n=self.n,
         )
 
     @property
@@ -243,7 +244,8 @@ def decode_json(raw: bytes) -> Any:
 
 
 def check_sizes(body: ChatCompletionRequest | CompletionRequest, limits: LimitSettings, prompt_chars: int) -> None:
-    """The limits on messages, the prompt's characters and the stop strings, before any templating or tokenizing."""
+    """The limits on messages, the prompt's characters, answers and stop strings, before any templating or
+    tokenizing."""
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     if isinstance(body, ChatCompletionRequest) and len(body.messages) > limits.max_messages:
         raise APIError(
@@ -255,6 +257,8 @@ def check_sizes(body: ChatCompletionRequest | CompletionRequest, limits: LimitSe
             400, f"the {param} hold {prompt_chars} characters, more than this server's limit of "
             f"{limits.max_prompt_chars}", param=param,
         )  # fmt: skip
+    if body.n > limits.max_n:
+        raise APIError(400, f"n={body.n} is more than this server's limit of {limits.max_n} answers", param="n")
     stops = body.stop_strings
     if len(stops) > limits.max_stop_strings:
         raise APIError(

@@ -30,26 +30,30 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def full_response(
-    items: list[GenerateDelta], kind: str, response_id: str, model: str, logprobs: dict[str, Any] | None
+    items: list[GenerateDelta], kind: str, response_id: str, model: str, logprobs: list[dict[str, Any] | None]
 ) -> dict[str, Any]:
-    """The whole answer (`kind`: chat.completion or text_completion) from all of its deltas."""
-    text, last = "".join(i.text for i in items), items[-1]
-    if kind == "chat.completion":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": last.finish_reason,
-            "logprobs": logprobs,
-        }
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": logprobs}
+    """The whole answer (`kind`: chat.completion or text_completion) from all of its deltas, a choice for each
+    of the request's answers (`logprobs`: each one's)."""
+    texts: list[list[str]] = [[] for _ in logprobs]
+    reasons: list[str | None] = [None] * len(logprobs)
+    for item in items:
+        texts[item.index].append(item.text)
+        reasons[item.index] = item.finish_reason or reasons[item.index]
+    choices = []
+    for index, (parts, reason, answer_logprobs) in enumerate(zip(texts, reasons, logprobs)):
+        if kind == "chat.completion":
+            message = {"role": "assistant", "content": "".join(parts)}
+            choice = {"index": index, "message": message, "finish_reason": reason, "logprobs": answer_logprobs}
+        else:
+            choice = {"index": index, "text": "".join(parts), "finish_reason": reason, "logprobs": answer_logprobs}
+        choices.append(choice)
     return {
         "id": response_id,
         "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
-        "usage": usage_body(last.usage),
+        "choices": choices,
+        "usage": usage_body(items[-1].usage),
     }
 
 
@@ -62,15 +66,17 @@ def stream_chunk(
     finish_reason: str | None,
     role: bool = False,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> str:
-    """One event of a streamed answer: a chat delta (`role`: the first, naming the assistant) or a text piece."""
+    """One event of a streamed answer (the request's `index`-th): a chat delta (`role`: the first, naming the
+    assistant) or a text piece."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "finish_reason": finish_reason}
     if logprobs is not None:
         choice["logprobs"] = logprobs
     obj = "chat.completion.chunk" if chat else "text_completion"

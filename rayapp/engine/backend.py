@@ -52,7 +52,8 @@ class Usage:
 
 @dataclass(frozen=True)
 class GenerateDelta:
-    """What a request produced since the previous delta; the last one carries the finish reason and usage."""
+    """What one of a request's answers produced since its previous delta. An answer's last delta carries its
+    finish reason; the request's last delta (every answer finished) carries the usage."""
 
     text: str
     token_ids: list[int]
@@ -60,10 +61,18 @@ class GenerateDelta:
     usage: Usage | None = None
     # One per token of `token_ids` when the request's SamplingParams ask for logprobs.
     logprobs: list[TokenLogprob] | None = None
+    # Which of the request's `n` answers (SamplingParams.n) this is.
+    index: int = 0
 
     @property
     def finished(self) -> bool:
+        """Whether this answer is finished."""
         return self.finish_reason is not None
+
+    @property
+    def last(self) -> bool:
+        """Whether this is the request's last delta."""
+        return self.usage is not None
 
 
 class EngineDeadError(RuntimeError):

@@ -190,13 +190,16 @@ class BlockManager:
         seq.block_table.extend(self._pop_free_pages(num_needed))
         return True
 
-    def fork(self, parent: Sequence, child: Sequence) -> ForkResult:
-        """Give `child` (no pages yet, same computed tokens and salt) `parent`'s KV and computed count.
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> ForkResult:
+        """Give `child` (no pages yet, same first tokens and salt) the KV of `parent`'s first `num_tokens`
+        computed tokens (default: all of them), and that computed count.
 
         Full blocks are shared (ref +1); a partial last block gets a fresh page, returned as a
         `PageCopy` the engine must perform before either sequence writes to it.
         """
-        n = parent.num_computed_tokens
+        n = parent.num_computed_tokens if num_tokens is None else num_tokens
+        if not 0 <= n <= parent.num_computed_tokens:
+            raise ValueError(f"fork of {n} tokens, but {parent.seq_id} has computed {parent.num_computed_tokens}")
         num_full, partial = divmod(n, self.block_size)
         if child.block_table:
             raise RuntimeError(f"fork target {child.seq_id} already holds pages")

@@ -48,6 +48,24 @@ class Request:
     tier_fetched: tuple[TierPlan, list[TierBlock]] | None = None
     # Tokens [start, end) a preempted request loaded back from the tier, until its readmission counts them.
     tier_reloaded: tuple[int, int] | None = None
+    # Which of its request's `n` answers this is, and the request's answers when n > 1.
+    index: int = 0
+    group: RequestGroup | None = None
+
+
+@dataclass
+class RequestGroup:
+    """The `n` answers of one request (SamplingParams.n > 1), a sequence each. The first computes the prompt
+    and is forked into the others when it samples its first token: they share its prompt pages."""
+
+    request_id: str
+    n: int
+    members: list[Request]
+    unfinished: int = 0
+    forked: bool = False
+
+    def __post_init__(self) -> None:
+        self.unfinished = self.n
 
 
 class LLMEngine:
@@ -82,6 +100,8 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.grammars = Grammars(self.tokenizer, self.spec.vocab_size)
         self._requests: dict[str, Request] = {}
+        # Requests with n > 1, by request id, until their last answer finishes.
+        self._groups: dict[str, RequestGroup] = {}
         self._counters = {"num_requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
         self._counters["tier_loaded_tokens"] = 0  # of the cached prompt tokens, those loaded from the cluster tier
         self._counters["tier_reloaded_tokens"] = 0  # tokens preempted requests loaded back from the tier
@@ -148,6 +168,8 @@ class LLMEngine:
     def enqueue(self, request: Request) -> None:
         """Hand a prepared request to the scheduler (engine thread only)."""
         self._requests[request.seq.seq_id] = request
+        if request.group is not None:
+            self._groups[request.group.request_id] = request.group
         self.scheduler.add(request.seq)
         self._counters["num_requests"] += 1
         self._counters["prompt_tokens"] += request.seq.num_prompt_tokens
@@ -171,9 +193,11 @@ class LLMEngine:
         streamed (a moved request), with `delivered_chars` of their text (None: all of it); their text is read
         again for the detokenizer, and only what the client has not seen is sent.
         """
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
+        if params.n > 1 and delivered_tokens:
+            raise ValueError("a moved answer (delivered_tokens) continues one answer: give it n=1")
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt or prompt_token_ids")
         if prompt is not None:
@@ -202,7 +226,22 @@ class LLMEngine:
             )
         if block_hashes is not None and len(block_hashes) > len(ids) // self.block_manager.block_size:
             raise ValueError(f"got {len(block_hashes)} block hashes for a {len(ids)}-token prompt")
-        seq = Sequence(request_id, ids, params, cache_salt=cache_salt, block_hashes=block_hashes)
+        if not 0 <= delivered_tokens < len(ids):
+            raise ValueError(f"delivered_tokens={delivered_tokens} must be in [0, {len(ids)}) for this prompt")
+        seq = self._sequence(request_id, ids, params, cache_salt, block_hashes)
+        cut = len(ids) - delivered_tokens
+        detok = IncrementalDetokenizer(
+            self.tokenizer, ids[:cut], params.stop, delivered_ids=ids[cut:], delivered_chars=delivered_chars
+        )
+        request = Request(seq, prompt, ids, detok, max_new, [] if params.logprobs is not None else None)
+        if params.n > 1:
+            request.group = RequestGroup(request_id, params.n, [request])
+        return request
+
+    def _sequence(
+        self, seq_id: str, ids: list[int], params: SamplingParams, cache_salt: str, block_hashes: list[BlockHash] | None
+    ) -> Sequence:
+        seq = Sequence(seq_id, ids, params, cache_salt=cache_salt, block_hashes=block_hashes)
         seq.generator = make_generator(params, self.runner.device)
         if params.structured is not None:
             seq.grammar = self.grammars.matcher(params.structured)
@@ -210,22 +249,57 @@ class LLMEngine:
             seq.min_recompute_tokens = min(len(ids), self.config.sparse.scoring_queries)
         if self.layerwise is not None and self.layerwise.compresses(seq):  # the window's queries score the prompt
             seq.min_recompute_tokens = min(len(ids), self.config.layerwise.window)
-        if not 0 <= delivered_tokens < len(ids):
-            raise ValueError(f"delivered_tokens={delivered_tokens} must be in [0, {len(ids)}) for this prompt")
-        cut = len(ids) - delivered_tokens
-        detok = IncrementalDetokenizer(
-            self.tokenizer, ids[:cut], params.stop, delivered_ids=ids[cut:], delivered_chars=delivered_chars
-        )
-        return Request(seq, prompt, ids, detok, max_new, [] if params.logprobs is not None else None)
+        return seq
+
+    def _fork(self, parent: Request) -> None:
+        """Start the other answers of `parent`'s request, which has just computed its prompt (engine thread).
+
+        Each shares the prompt's pages, its partial last block copied, and computes the prompt's last token
+        again to sample a first token of its own. Where pages cannot be shared (no free page for the copy,
+        a prompt sparse retrieval or layer-wise compression keeps in its own layout, a full batch), the
+        answer queues at the front instead and its prefix match finds the prompt's blocks in the cache.
+        """
+        group, seq, bm = parent.group, parent.seq, self.block_manager
+        group.forked = True
+        ids = parent.prompt_token_ids
+        dense = not seq.compacted and (self.sparse is None or self.sparse.policy.mode(len(ids)) is AttentionMode.DENSE)
+        queued = []
+        for i in range(1, group.n):
+            params = seq.params
+            if params.seed is not None:
+                params = dataclasses.replace(params, seed=params.seed + i)
+            hashes = seq.block_hashes[: len(ids) // bm.block_size]
+            child = Request(
+                self._sequence(f"{group.request_id}#{i}", ids, params, seq.cache_salt, hashes), parent.prompt, ids,
+                IncrementalDetokenizer(self.tokenizer, ids, params.stop), parent.max_new_tokens,
+                None if parent.logprobs is None else [], counted_cached=True, index=i, group=group,
+            )  # fmt: skip
+            group.members.append(child)
+            self._requests[child.seq.seq_id] = child
+            if dense and not self.scheduler.is_full:
+                fork = bm.fork(seq, child.seq, len(ids) - 1)
+                if fork.ok:
+                    self.runner.copy_pages(fork.copies)
+                    self.scheduler.add_running(child.seq)
+                    continue
+            queued.append(child.seq)
+        for child_seq in reversed(queued):
+            self.scheduler.add(child_seq, front=True)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request and free its pages; returns its last output, or None if it is unknown or done."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
+        """Stop a request (all of its answers) and free its pages; returns its last output, or None if it is
+        unknown or done."""
+        group = self._groups.pop(request_id, None)
+        members = [request_id] if group is None else [m.seq.seq_id for m in group.members]
+        aborted = [req for req in (self._requests.pop(seq_id, None) for seq_id in members) if req is not None]
+        for req in aborted:
+            self.scheduler.finish(req.seq, "abort")
+            self._forget(req.seq)
+        if not aborted:
             return None
-        self.scheduler.finish(req.seq, "abort")
-        self._forget(req.seq)
-        return self._output(req, [], "")
+        if group is not None:
+            group.unfinished = 0
+        return self._output(aborted[-1], [], "")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self.scheduler.parked)
@@ -266,6 +340,8 @@ class LLMEngine:
                 (start, end), req.tier_reloaded = req.tier_reloaded, None
                 self._counters["tier_reloaded_tokens"] += max(0, min(end, seq.num_cached_tokens) - start)
             if token is not None:
+                if req.group is not None and not req.group.forked:
+                    self._fork(req)
                 outputs.append(self._append(req, token, logprob))
         return outputs
 
@@ -293,6 +369,10 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             self._forget(seq)
             del self._requests[seq.seq_id]
+            if req.group is not None:
+                req.group.unfinished -= 1
+                if req.group.unfinished == 0:
+                    del self._groups[req.group.request_id]
         return self._output(req, [token], delta, stop_reason, [logprob])
 
     def _forget(self, seq: Sequence) -> None:
@@ -312,7 +392,7 @@ class LLMEngine:
     ) -> RequestOutput:
         seq = req.seq
         completion = CompletionOutput(
-            index=0,
+            index=req.index,
             text=req.detokenizer.text,
             token_ids=seq.output_token_ids,
             finish_reason=seq.finish_reason,
@@ -322,14 +402,15 @@ class LLMEngine:
             logprobs=req.logprobs,
             delta_logprobs=None if req.logprobs is None else list(delta_logprobs),
         )
+        group, first = req.group, req if req.group is None else req.group.members[0]
         return RequestOutput(
-            request_id=seq.seq_id,
+            request_id=seq.seq_id if group is None else group.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
             outputs=[completion],
-            finished=seq.is_finished,
-            num_cached_tokens=seq.num_cached_tokens,
-            metrics=RequestMetrics(seq.arrival_time, seq.first_token_time),
+            finished=seq.is_finished if group is None else group.unfinished == 0,
+            num_cached_tokens=first.seq.num_cached_tokens,
+            metrics=RequestMetrics(first.seq.arrival_time, first.seq.first_token_time),
         )
 
     def take_kv_events(self) -> list[KVEvent]:

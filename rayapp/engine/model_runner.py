@@ -22,6 +22,7 @@ from rayapp.models.llama import load_model
 from rayapp.models.loader import ModelSpec, load_state_dict
 
 if TYPE_CHECKING:
+    from rayapp.engine.block_manager import PageCopy
     from rayapp.engine.layerwise_kv import LayerwiseKV, LayerwisePlan
     from rayapp.engine.sparse_kv import DecodePlan, QueryCapture, SparseKV
 
@@ -143,6 +144,15 @@ class ModelRunner:
         """Bytes of K and V for one page across all layers."""
         s = self.spec
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+
+    @torch.inference_mode()
+    def copy_pages(self, copies: tuple[PageCopy, ...]) -> None:
+        """Copy each `src_page`'s K and V, in every layer, into its `dst_page` (a fork's partial block)."""
+        if copies:
+            src = self._tensor([c.src_page for c in copies])
+            dst = self._tensor([c.dst_page for c in copies])
+            self.k_cache[:, dst] = self.k_cache[:, src]
+            self.v_cache[:, dst] = self.v_cache[:, src]
 
     def _pages_that_fit(self) -> int:
         return max(1, int(self.config.cache.kv_cache_memory_gb * 2**30) // self.page_bytes)

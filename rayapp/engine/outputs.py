@@ -49,7 +49,10 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # The request's answers (SamplingParams.n): all of them from `LLM.generate`; from `LLMEngine.step`, the
+    # one that progressed (a request with n > 1 gets an output per answer that progressed in the step).
     outputs: list[CompletionOutput]
+    # Every answer is finished.
     finished: bool
     # Prompt tokens whose K/V came from the prefix cache instead of being computed.
     num_cached_tokens: int

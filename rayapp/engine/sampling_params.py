@@ -25,7 +25,9 @@ class SamplingParams:
     `stop_token_ids` end generation like EOS does (unless `ignore_eos`, which only affects EOS).
     `logprobs`: each generated token's log-probability, with that many of the most likely tokens at
     its position (0: the generated token's only; None: none), as vLLM's `logprobs`. `structured`:
-    constrained decoding to JSON (`StructuredOutput`).
+    constrained decoding to JSON (`StructuredOutput`). `n`: that many answers to the prompt, which is
+    computed once (greedy ones would all be the same: n > 1 needs a temperature, as in vLLM); with a
+    `seed`, answer i samples with `seed + i`, as vLLM's do.
     """
 
     max_tokens: int | None = 16
@@ -38,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: StructuredOutput | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Accept a single string or any sequence from users, store an immutable tuple.
@@ -61,6 +64,10 @@ class SamplingParams:
             raise ValueError("stop_token_ids must hold non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_LOGPROBS}] (None: none)")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n={self.n!r} must be an integer >= 1")
+        if self.n > 1 and self.temperature == 0.0:
+            raise ValueError(f"n={self.n} needs sampling: greedy answers (temperature 0) are all the same")
 
     @property
     def greedy(self) -> bool:

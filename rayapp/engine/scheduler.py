@@ -59,8 +59,21 @@ class Scheduler:
         # Preempted sequences taken out of `waiting` while their blocks are fetched back (`park`).
         self.parked: dict[str, Sequence] = {}
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    @property
+    def is_full(self) -> bool:
+        """Whether the running batch holds `max_num_seqs` sequences."""
+        return len(self.running) >= self.config.max_num_seqs
+
+    def add_running(self, seq: Sequence) -> None:
+        """Put a sequence that already holds its pages (a fork) in the running batch (check `is_full` first)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def has_work(self) -> bool:
         """Whether a step has anything to schedule (parked sequences wait for `unpark`)."""
@@ -116,7 +129,7 @@ class Scheduler:
         return self.reserve_compacted(seq, n)
 
     def _admit(self, budget: int, chosen: dict[str, int]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and not self.is_full:
             seq = self.waiting[0]
             if self.park_before_admit is not None and self.park_before_admit(seq):
                 if self.waiting and self.waiting[0] is seq:

@@ -128,6 +128,7 @@ def _sampling(params: SamplingParams, own_text: bool = False) -> VLLMSamplingPar
         detokenize=not own_text,
         logprobs=params.logprobs,
         structured_outputs=None if params.structured is None else _structured(params.structured),
+        n=params.n,
         output_kind=RequestOutputKind.DELTA,
     )
 
@@ -255,34 +256,40 @@ class VLLMBackend:
             # the request and free its pages.
             async with contextlib.aclosing(stream):
                 async for out in stream:
-                    completion = out.outputs[0]
-                    text, token_ids = completion.text, list(completion.token_ids)
-                    logprobs = None
-                    if request.sampling.logprobs is not None:
-                        logprobs = _logprobs(completion.logprobs or [], token_ids, request.sampling.logprobs)
-                    finished, reason = out.finished, completion.finish_reason
-                    if detok is not None:
-                        text, token_ids = _own_text(detok, token_ids, finished)
-                        logprobs = None if logprobs is None else logprobs[: len(token_ids)]
-                        if detok.stop_matched is not None:
-                            finished, reason = True, "stop"
-                    generated += len(token_ids)
-                    usage = None
-                    if finished:
-                        tier = out.kv_transfer_params or {}
-                        # vLLM counts what the tier offered as cached, delivered or not.
-                        cached = (out.num_cached_tokens or 0) - tier.get(MISSED_TOKENS_PARAM, 0)
-                        self._stats.counters["prompt_tokens"] += prompt_tokens
-                        self._stats.counters["cached_prompt_tokens"] += cached
-                        self._stats.counters["tier_loaded_tokens"] += tier.get(LOADED_TOKENS_PARAM, 0)
-                        usage = Usage(prompt_tokens, generated, cached)
-                    yield GenerateDelta(text, token_ids, reason if finished else None, usage, logprobs)
-                    if finished:
+                    # With n > 1, vLLM's outputs are the answers that progressed (none: a repeat of a finished one).
+                    if not out.outputs and out.finished:
+                        yield GenerateDelta("", [], None, self._usage(out, prompt_tokens, generated))
                         return
+                    for k, completion in enumerate(out.outputs):
+                        text, token_ids, reason = completion.text, list(completion.token_ids), completion.finish_reason
+                        logprobs = None
+                        if request.sampling.logprobs is not None:
+                            logprobs = _logprobs(completion.logprobs or [], token_ids, request.sampling.logprobs)
+                        last = out.finished and k == len(out.outputs) - 1
+                        if detok is not None:  # a moved answer (one of a request's)
+                            text, token_ids = _own_text(detok, token_ids, out.finished)
+                            logprobs = None if logprobs is None else logprobs[: len(token_ids)]
+                            if detok.stop_matched is not None:
+                                last, reason = True, "stop"
+                        generated += len(token_ids)
+                        usage = self._usage(out, prompt_tokens, generated) if last else None
+                        yield GenerateDelta(text, token_ids, reason, usage, logprobs, completion.index)
+                        if last:
+                            return
         except VLLMEngineDeadError as error:
             raise EngineDeadError(f"vLLM's engine core died: {error}") from None
         except VLLMClientError as error:  # vLLM refused the request (not a ValueError in vLLM): the client's 400
             raise ValueError(str(error)) from None
+
+    def _usage(self, out: Any, prompt_tokens: int, generated: int) -> Usage:
+        """A finished request's usage, counted into this replica's stats."""
+        tier = out.kv_transfer_params or {}
+        # vLLM counts what the tier offered as cached, delivered or not.
+        cached = (out.num_cached_tokens or 0) - tier.get(MISSED_TOKENS_PARAM, 0)
+        self._stats.counters["prompt_tokens"] += prompt_tokens
+        self._stats.counters["cached_prompt_tokens"] += cached
+        self._stats.counters["tier_loaded_tokens"] += tier.get(LOADED_TOKENS_PARAM, 0)
+        return Usage(prompt_tokens, generated, cached)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

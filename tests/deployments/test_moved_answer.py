@@ -74,29 +74,37 @@ class _Ingress:
 
 @pytest.fixture(scope="module", params=ENGINES)
 def engine(request):
+    """(backend, config, loop): every test runs on `loop`, since vLLM's AsyncLLM stays on the loop it first ran on."""
     config = CONFIGS[request.param]
+    loop = asyncio.new_event_loop()
     backend = backend_class(config).from_app_config(config)
-    yield backend, config
+    yield backend, config, loop
     backend.shutdown()
+    loop.close()
 
 
-async def _answer(engine, ids, sampling, die_after):
-    backend, config = engine
+async def _generate(engine, ids, sampling, die_after):
+    backend, config, _ = engine
     ingress = _Ingress(backend, config, die_after)
     generation = _Generation(ingress, ingress.generate_request(ids, "", sampling, MESSAGES))
     items = [await generation.next()]
-    while not items[-1].finished:
+    while not items[-1].last:
         items.append(await generation.next())
     generation.release(cancel=False)
     assert ingress.moved_requests == (die_after is not None)
-    return "".join(i.text for i in items), items[-1].finish_reason, len(generation.generated)
+    return generation, items
+
+
+async def _answer(engine, ids, sampling, die_after):
+    generation, items = await _generate(engine, ids, sampling, die_after)
+    return "".join(i.text for i in items), items[-1].finish_reason, len(generation.answers[0].generated)
 
 
 def test_a_moved_answer_is_the_uninterrupted_answer_byte_for_byte(engine, tokenizer):
     ids = chat_token_ids(tokenizer, MESSAGES)
     free = SamplingParams(temperature=0, max_tokens=48)
 
-    async def check():  # one event loop for all: vLLM's AsyncLLM stays on the loop it first ran on
+    async def check():
         whole, _, _ = await _answer(engine, ids, free, None)
         # A stop string that spans many cuts: ten characters from the middle of the uninterrupted answer.
         stop = whole[20:30]
@@ -107,4 +115,17 @@ def test_a_moved_answer_is_the_uninterrupted_answer_byte_for_byte(engine, tokeni
             assert (await _answer(engine, ids, free, cut))[0] == whole, cut
             assert (await _answer(engine, ids, stopped_at, cut))[:2] == (stopped, "stop"), cut
 
-    asyncio.run(check())
+    engine[2].run_until_complete(check())
+
+
+def test_each_unfinished_answer_of_a_request_moves_and_finishes(engine, tokenizer):
+    ids = chat_token_ids(tokenizer, MESSAGES)
+    sampled = SamplingParams(temperature=1.0, seed=1, max_tokens=24, ignore_eos=True, n=3)
+    generation, items = engine[2].run_until_complete(_generate(engine, ids, sampled, 5))
+    assert [len(a.generated) for a in generation.answers] == [24, 24, 24]
+    assert items[-1].usage.completion_tokens == 72 and items[-1].usage.prompt_tokens == len(ids)
+    for k, answer in enumerate(generation.answers):
+        # What was streamed before the cut and after it reads as the answer's tokens do.
+        text = "".join(i.text for i in items if i.index == k)
+        assert text == tokenizer.decode(answer.generated, skip_special_tokens=True)
+        assert [i.finish_reason for i in items if i.index == k and i.finished] == ["length"]

@@ -182,6 +182,21 @@ def test_streamed_chat_joins_to_the_same_answer_with_usage_last(client, offline)
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the question was asked before
 
 
+def test_n_answers_to_one_prompt_streamed_or_not(client):
+    sampled = dict(model=MODEL, messages=QUESTION, temperature=1.0, seed=3, max_tokens=16, n=3)
+    reply = client.chat.completions.create(**sampled)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    texts = [c.message.content for c in reply.choices]
+    assert len(set(texts)) > 1 and all(c.finish_reason in ("stop", "length") for c in reply.choices)
+    single = client.chat.completions.create(**{**sampled, "n": 1})
+    assert single.choices[0].message.content == texts[0]  # answer 0 samples with the request's seed
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(**sampled, stream=True, stream_options={"include_usage": True}))
+    streamed = ["".join(c.delta.content or "" for k in chunks for c in k.choices if c.index == i) for i in range(3)]
+    assert streamed == texts
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens > single.usage.completion_tokens
+
+
 def test_logprobs_are_the_engines_own_streamed_or_not(base_url, client, offline):
     expected = offline.logprobs(QUESTION, 12, 3)
     reply = client.chat.completions.create(
@@ -313,7 +328,9 @@ def test_completions_endpoint(base_url, client):
         ({"model": MODEL, "messages": QUESTION, "top_p": 1.5}, 400, "top_p"),
         ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "messages": QUESTION, "temperature": -1}, 400, "temperature"),
-        ({"model": MODEL, "messages": QUESTION, "n": 2}, 400, "n"),
+        ({"model": MODEL, "messages": QUESTION, "n": 17}, 400, "n"),
+        ({"model": MODEL, "messages": QUESTION, "n": 0}, 400, "n"),
+        ({"model": MODEL, "messages": QUESTION, "n": 2, "temperature": 0}, 400, None),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
         ({"model": "gpt-4", "messages": QUESTION}, 404, "model"),
         # Known fields that would change the answer and are not implemented: refused, never silently dropped.
