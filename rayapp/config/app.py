@@ -201,6 +201,11 @@ class AppConfig(BaseModel):
     served_model_name: str | None = Field(
         None, description="Name clients put in the request's `model` field; null: the model's directory name"
     )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template file the ingress renders conversations with instead of the model's own "
+        "(as vLLM's --chat-template); tools need one that renders them, in the Hermes <tool_call> format",
+    )
     dtype: str = Field("auto", description="auto (the checkpoint's), float32, bfloat16 or float16")
     device: str = Field("cpu", description="cpu, cuda or npu: each replica takes one such device")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output in tokens; null: the model's")

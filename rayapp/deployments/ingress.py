@@ -40,6 +40,7 @@ from rayapp.deployments.protocol import (
     read_body,
 )
 from rayapp.deployments.responses import LogprobsFormat, event, full_response, stream_chunk, usage_body
+from rayapp.deployments.tools import ToolAnswer, template_problem
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
 from rayapp.engine.kv_events import hash_blocks
 from rayapp.engine.sampling_params import SamplingParams
@@ -239,6 +240,12 @@ class _Generation:
                 stream.cancel()
 
 
+def _tool_answers(body: Any) -> list[ToolAnswer] | None:
+    """How each of a chat request's answers holds tool calls; None without tools."""
+    mode = getattr(body, "tool_mode", None)
+    return None if mode is None else [ToolAnswer(mode, body.parallel_tool_calls) for _ in range(body.n)]
+
+
 # Defined after the helpers above: serve.ingress freezes a copy of the routes, with the module
 # globals that exist at that moment.
 @serve.ingress(app)
@@ -249,10 +256,10 @@ class OpenAIIngress:
         self.config = AppConfig(**app_config)
         path = resolve_model(self.config.model)
         spec = ModelSpec.from_dir(path)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path, self.config.chat_template)
         # Large requests are prepared on one thread with a tokenizer of its own: a fast tokenizer must not be
         # used by two threads at once.
-        self._bulk_tokenizer = load_tokenizer(path)
+        self._bulk_tokenizer = load_tokenizer(path, self.config.chat_template)
         self._bulk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayapp-ingress-bulk")
         self.api_keys = _api_keys(self.config)
         self.logprobs = LogprobsFormat(self.tokenizer)
@@ -330,10 +337,18 @@ class OpenAIIngress:
     def _prepare_chat(self, raw: bytes, tokenizer: Any) -> tuple[ChatCompletionRequest, list[int], list[dict]]:
         body = parse(ChatCompletionRequest, decode_json(raw))
         self._check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         check_sizes(body, self.config.limits, sum(len(m["content"]) for m in messages))
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        if tools or any(m.role == "tool" or m.tool_calls for m in body.messages):
+            problem = template_problem(tokenizer.chat_template)
+            if problem is not None:
+                raise APIError(
+                    400, f"{problem}, so tools and tool messages cannot be served; set chat_template in the app's "
+                    "config to a template that renders them", param="tools" if tools else "messages",
+                )  # fmt: skip
         try:
-            ids = chat_token_ids(tokenizer, messages)
+            ids = chat_token_ids(tokenizer, messages, tools)
         except ValueError as error:  # e.g. a model without a chat template
             raise APIError(400, str(error), param="messages") from None
         return body, ids, messages
@@ -424,7 +439,8 @@ class OpenAIIngress:
                 self.logprobs.render([lp for i in items if i.index == k for lp in i.logprobs or ()], chat)
                 for k in range(body.n)
             ]
-        return JSONResponse(full_response(items, kind, response_id, self.served_name, logprobs))
+        answers = _tool_answers(body)
+        return JSONResponse(full_response(items, kind, response_id, self.served_name, logprobs, answers))
 
     def generate_request(
         self, ids: list[int], salt: str, sampling: SamplingParams, prompt: str | list[Any]
@@ -444,6 +460,7 @@ class OpenAIIngress:
     ) -> AsyncIterator[str]:
         created, chat, model = int(time.time()), kind == "chat.completion", self.served_name
         wants_logprobs, text_offsets = body.requested_logprobs is not None, [0] * body.n
+        answers = _tool_answers(body)
         finished = False
         try:
             if chat:
@@ -455,10 +472,17 @@ class OpenAIIngress:
                 if wants_logprobs and item.logprobs:
                     logprobs = self.logprobs.render(item.logprobs, chat, text_offsets[item.index])
                     text_offsets[item.index] += self.logprobs.text_length(item.logprobs)
-                if item.text or item.finished or logprobs is not None:
+                text, calls, reason = item.text, None, item.finish_reason
+                if answers is not None:
+                    text, calls = answers[item.index].feed(item.text)
+                    if item.finished:
+                        rest, more = answers[item.index].finish()
+                        text, calls = text + rest, calls + more
+                        reason = answers[item.index].finish_reason(reason)
+                if text or calls or item.finished or logprobs is not None:
                     yield stream_chunk(
-                        response_id, created, model, chat, item.text, item.finish_reason, logprobs=logprobs,
-                        index=item.index,
+                        response_id, created, model, chat, text, reason, logprobs=logprobs, index=item.index,
+                        tool_calls=calls or None,
                     )  # fmt: skip
                 if item.last:
                     finished = True

@@ -10,6 +10,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rayapp.config import LimitSettings
+from rayapp.deployments.tools import forced_output
 from rayapp.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 
@@ -40,8 +41,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, None),
     "frequency_penalty": (0, None),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "prediction": (None,),
@@ -90,9 +89,12 @@ class _Sampling(BaseModel):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs,
-            structured=None if self.response_format is None else self.response_format.structured(),
+            structured=self.structured_output(),
             n=self.n,
         )
+
+    def structured_output(self) -> StructuredOutput | None:
+        return None if self.response_format is None else self.response_format.structured()
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -137,12 +139,84 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    # JSON text, as OpenAI's API carries it.
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may leave it out)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        for call in self.tool_calls or ():
+            _arguments(call)
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: text content, and tool call arguments as objects (the
+        templates of tool-calling models write them with `tojson`)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        raise ValueError(f"the arguments of tool call {call.id!r} are not JSON text") from None
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -150,6 +224,40 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # False: at most one call per answer.
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _choice_among_tools(self) -> ChatCompletionRequest:
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or ()]
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one of the tools")
+        if self.forced_tools and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("tool_choice required or a named function cannot be combined with response_format")
+        return self
+
+    @property
+    def tool_mode(self) -> str | dict[str, Any] | None:
+        """How answers hold tool calls (`tools.ToolAnswer`): None when the request has no tools (or
+        tool_choice none), else `auto`, `required` or the named choice as a dict."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice or "auto"
+
+    @property
+    def forced_tools(self) -> bool:
+        return self.tool_mode not in (None, "auto")
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.forced_tools:
+            return forced_output([t.model_dump() for t in self.tools], self.tool_mode, self.parallel_tool_calls)
+        return super().structured_output()
 
     @field_validator("top_logprobs")
     @classmethod

@@ -9,6 +9,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from rayapp.deployments.tools import ToolAnswer
 from rayapp.engine.backend import GenerateDelta, Usage
 from rayapp.engine.outputs import TokenLogprob
 
@@ -30,10 +31,16 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def full_response(
-    items: list[GenerateDelta], kind: str, response_id: str, model: str, logprobs: list[dict[str, Any] | None]
+    items: list[GenerateDelta],
+    kind: str,
+    response_id: str,
+    model: str,
+    logprobs: list[dict[str, Any] | None],
+    tools: list[ToolAnswer] | None = None,
 ) -> dict[str, Any]:
     """The whole answer (`kind`: chat.completion or text_completion) from all of its deltas, a choice for each
-    of the request's answers (`logprobs`: each one's)."""
+    of the request's answers (`logprobs`: each one's; `tools`: how each holds tool calls, for a chat request
+    with tools)."""
     texts: list[list[str]] = [[] for _ in logprobs]
     reasons: list[str | None] = [None] * len(logprobs)
     for item in items:
@@ -42,7 +49,12 @@ def full_response(
     choices = []
     for index, (parts, reason, answer_logprobs) in enumerate(zip(texts, reasons, logprobs)):
         if kind == "chat.completion":
-            message = {"role": "assistant", "content": "".join(parts)}
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(parts)}
+            if tools is not None:
+                message["content"], calls = tools[index].parse(message["content"])
+                reason = tools[index].finish_reason(reason)
+                if calls:
+                    message["tool_calls"] = calls
             choice = {"index": index, "message": message, "finish_reason": reason, "logprobs": answer_logprobs}
         else:
             choice = {"index": index, "text": "".join(parts), "finish_reason": reason, "logprobs": answer_logprobs}
@@ -67,6 +79,7 @@ def stream_chunk(
     role: bool = False,
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> str:
     """One event of a streamed answer (the request's `index`-th): a chat delta (`role`: the first, naming the
     assistant) or a text piece."""
@@ -74,6 +87,8 @@ def stream_chunk(
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "finish_reason": finish_reason}

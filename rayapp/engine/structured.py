@@ -39,7 +39,7 @@ class Grammars:
         schema = spec.json_schema if spec.json_schema is not None else ANY_OBJECT
         try:
             json.loads(schema)
-            compiled = self._compiler.compile_json_schema(schema, any_whitespace=False)
+            compiled = self._compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
         except (ValueError, RuntimeError) as error:
             # xgrammar's messages start with its source location: keep what follows it.
             raise ValueError(f"the JSON schema cannot be used: {str(error).strip().split(': ', 1)[-1]}") from None

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm import SamplingParams as VLLMSamplingParams
-from vllm.config import KVEventsConfig
+from vllm.config import KVEventsConfig, StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
@@ -69,6 +69,14 @@ def engine_kwargs(config: AppConfig) -> dict[str, Any]:
         kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gb * 2**30)
     # rayapp's stat logger below feeds /metrics; vLLM's own periodic log lines stay off unless asked for.
     kwargs.setdefault("disable_log_stats", True)
+    structured = kwargs.get("structured_outputs_config") or {}
+    if isinstance(structured, dict):
+        # xgrammar, as rayapp's engine, and compact JSON as there (vLLM reads that per engine, not per request;
+        # it has the option for xgrammar and guidance only).
+        structured = {"backend": "xgrammar", **structured}
+        if structured["backend"] in ("xgrammar", "guidance"):
+            structured.setdefault("disable_any_whitespace", True)
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(**structured)
     return kwargs
 
 
@@ -134,9 +142,9 @@ def _sampling(params: SamplingParams, own_text: bool = False) -> VLLMSamplingPar
 
 
 def _structured(spec: StructuredOutput) -> StructuredOutputsParams:
-    """vLLM's structured outputs for rayapp's: the same compact JSON (no free whitespace) as rayapp's engine."""
+    """vLLM's structured outputs for rayapp's (compact JSON: `engine_kwargs` turns vLLM's whitespace off)."""
     schema = spec.json_schema if spec.json_schema is not None else ANY_OBJECT
-    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    return StructuredOutputsParams(json=schema)
 
 
 def _logprobs(positions: list[dict[int, Any]], token_ids: list[int], top: int) -> list[TokenLogprob]:

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.config import StructuredOutputsConfig  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 from vllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError  # noqa: E402
@@ -118,7 +119,12 @@ def test_vllms_rejection_is_a_value_error_and_a_dead_core_an_engine_dead_error()
 def test_settings_map_onto_vllms_engine_args():
     unset = engine_kwargs(AppConfig(engine="vllm"))
     # Unset batching limits keep vLLM's defaults; the page size the ingress hashes with is always passed.
-    assert unset == {"block_size": 128, "kv_cache_memory_bytes": 2 << 30, "disable_log_stats": True}
+    # Structured output is compact JSON, as on rayapp's engine.
+    compact = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
+    assert unset == {
+        "block_size": 128, "kv_cache_memory_bytes": 2 << 30, "disable_log_stats": True,
+        "structured_outputs_config": compact,
+    }  # fmt: skip
     set_ = engine_kwargs(AppConfig(engine="vllm", max_num_seqs=8, num_pages=100, engine_kwargs={"enforce_eager": True}))
     assert set_ == {
         "block_size": 128,
@@ -126,7 +132,10 @@ def test_settings_map_onto_vllms_engine_args():
         "num_gpu_blocks_override": 100,
         "enforce_eager": True,
         "disable_log_stats": True,
+        "structured_outputs_config": compact,
     }
+    own = engine_kwargs(AppConfig(engine="vllm", engine_kwargs={"structured_outputs_config": {"backend": "guidance"}}))
+    assert own["structured_outputs_config"] == StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
     assert engine_kwargs(AppConfig(engine="vllm", device="cuda"))["block_size"] == 16
 
 
