@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -13,9 +12,8 @@ from transformers import PreTrainedTokenizerBase
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import CompletionOutput, RequestOutput
 from rayapp.engine.sampling_params import SamplingParams
+from rayapp.kvtier import log_unavailable
 from rayapp.models.tokenizer import Message, chat_token_ids
-
-logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -123,6 +121,5 @@ def connect_tier(engine: LLMEngine) -> Any:
     try:
         return attach_tier(engine)
     except Exception as error:  # no database, no store: generate without the tier rather than not at all
-        # A failure in the database actor arrives wrapped in Ray's traceback: its cause says what to change.
-        logger.warning("cluster KV tier unavailable (%s); running without it", getattr(error, "cause", None) or error)
+        log_unavailable(error)
         return None

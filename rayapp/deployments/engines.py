@@ -7,7 +7,6 @@ for, so rayapp installs and serves without it.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,8 +14,7 @@ from rayapp.config import AppConfig
 from rayapp.engine.async_engine import AsyncLLMEngine
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
 from rayapp.engine.kv_events import KVEvent
-
-logger = logging.getLogger(__name__)
+from rayapp.kvtier import log_unavailable
 
 
 def backend_class(config: AppConfig) -> type:
@@ -52,8 +50,7 @@ class RayappBackend:
             try:
                 tier = attach_tier(engine.engine)
             except Exception as error:  # no database, no store: serve without the tier rather than not at all
-                cause = getattr(error, "cause", None) or error  # the database actor's error, not Ray's traceback
-                logger.warning("cluster KV tier unavailable (%s); serving without it", cause)
+                log_unavailable(error)
         return cls(engine, tier)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
@@ -82,7 +79,7 @@ class RayappBackend:
         await self.engine.abort(request_id)
 
     async def stats(self) -> dict[str, float]:
-        return self.engine.stats()
+        return await self.engine.stats()
 
     async def take_kv_events(self) -> list[KVEvent]:
         return await self.engine.take_kv_events()

@@ -102,8 +102,11 @@ class AsyncLLMEngine:
         self._submit(command)
         await asyncio.wrap_future(done)
 
-    def stats(self) -> dict[str, int]:
-        return self.engine.stats()
+    async def stats(self) -> dict[str, int]:
+        """`LLMEngine.stats`, read on the engine thread between two steps (a consistent snapshot)."""
+        if not self.is_running():  # no step loop mutates the engine any more
+            return self.engine.stats()
+        return await self._call(self.engine.stats)
 
     async def take_kv_events(self) -> list[KVEvent]:
         """KV cache events since the last call, taken on the engine thread between two steps."""

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
-import logging
 import os
 import tempfile
 import uuid
@@ -40,12 +39,11 @@ from rayapp.engine.kv_events import KVEvent
 from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampling_params import SamplingParams, StructuredOutput
 from rayapp.engine.structured import ANY_OBJECT
+from rayapp.kvtier import log_unavailable
 from rayapp.models.loader import DEFAULT_MODEL, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM, kv_transfer_config
 from rayapp.vllm_ext.kv_events import VLLMKVEvents
-
-logger = logging.getLogger(__name__)
 
 # AppConfig fields that map onto AsyncEngineArgs as they are, when the user set them (else vLLM's defaults hold);
 # the page size and the KV cache size are placed below.
@@ -231,8 +229,7 @@ class VLLMBackend:
             try:
                 kwargs["kv_transfer_config"] = kv_transfer_config(config.kvtier, model_id)
             except Exception as error:  # no database: serve without the tier rather than not at all
-                cause = getattr(error, "cause", None) or error
-                logger.warning("cluster KV tier unavailable (%s); serving without it", cause)
+                log_unavailable(error)
         model_dir = resolve_model(config.model)
         args = AsyncEngineArgs(model=str(model_dir), kv_events_config=kv_events, **kwargs)
         stats = _EngineStats()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -39,7 +40,24 @@ def test_concurrent_streams_deliver_exact_deltas_and_match_offline_greedy(engine
         assert last.metrics.time_to_first_token is not None
     offline = LLM(dtype="float32", num_pages=256).generate(prompts, params)
     assert [r[1].outputs[0].token_ids for r in results] == [o.outputs[0].token_ids for o in offline]
-    assert engine.stats()["pages_used"] == 0
+    assert asyncio.run(engine.stats())["pages_used"] == 0
+
+
+def test_stats_are_read_on_the_engine_thread_while_it_steps(engine, monkeypatch):
+    """The step loop mutates the scheduler and the page pool: stats taken between two steps are consistent."""
+    threads = []
+    read = engine.engine.stats
+    monkeypatch.setattr(engine.engine, "stats", lambda: threads.append(threading.current_thread().name) or read())
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+    async def scenario():
+        stream = asyncio.ensure_future(_collect(engine, "busy", "Tell me about the sea.", params))
+        during = await engine.stats()
+        await stream
+        return during
+
+    during = asyncio.run(scenario())
+    assert threads == ["rayapp-engine"] and during["num_requests"] >= 1
 
 
 def test_stop_string_ends_the_stream_and_is_cut_from_the_text(engine):

@@ -108,6 +108,6 @@ def test_leaving_a_stream_early_aborts_the_request_and_frees_its_pages():
 
     try:
         asyncio.run(scenario())
-        assert engine.stats()["pages_used"] == 0
+        assert asyncio.run(engine.stats())["pages_used"] == 0
     finally:
         engine.shutdown()
