@@ -243,7 +243,7 @@ class _Generation:
 def _tool_answers(body: Any) -> list[ToolAnswer] | None:
     """How each of a chat request's answers holds tool calls; None without tools."""
     mode = getattr(body, "tool_mode", None)
-    return None if mode is None else [ToolAnswer(mode, body.parallel_tool_calls) for _ in range(body.n)]
+    return None if mode is None else [ToolAnswer(mode, body.parallel_calls) for _ in range(body.n)]
 
 
 # Defined after the helpers above: serve.ingress freezes a copy of the routes, with the module

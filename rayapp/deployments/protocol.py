@@ -226,8 +226,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    # False: at most one call per answer.
-    parallel_tool_calls: bool = True
+    # False: at most one call per answer (None, as some clients send it: the default, True).
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _choice_among_tools(self) -> ChatCompletionRequest:
@@ -251,12 +251,16 @@ class ChatCompletionRequest(_Sampling):
         return self.tool_choice or "auto"
 
     @property
+    def parallel_calls(self) -> bool:
+        return self.parallel_tool_calls is not False
+
+    @property
     def forced_tools(self) -> bool:
         return self.tool_mode not in (None, "auto")
 
     def structured_output(self) -> StructuredOutput | None:
         if self.forced_tools:
-            return forced_output([t.model_dump() for t in self.tools], self.tool_mode, self.parallel_tool_calls)
+            return forced_output([t.model_dump() for t in self.tools], self.tool_mode, self.parallel_calls)
         return super().structured_output()
 
     @field_validator("top_logprobs")

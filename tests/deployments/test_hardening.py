@@ -95,6 +95,16 @@ def test_malformed_bodies_are_400s(base_url, content):
     assert _error(_post(base_url, content), 400)["type"] == "invalid_request_error"
 
 
+def test_tools_on_a_template_that_renders_none_are_a_400_saying_so(base_url):
+    tool = {"type": "function", "function": {"name": "get_time"}}
+    error = _error(_post(base_url, _chat(tools=[tool])), 400)
+    assert error["param"] == "tools" and "does not render tools" in error["message"]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    history = [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1",
+               "content": "noon"}]  # fmt: skip
+    assert _error(_post(base_url, {"model": MODEL, "messages": history}), 400)["param"] == "messages"
+
+
 def test_health_answers_while_a_large_request_is_prepared(base_url):
     # ~5 MB of text: seconds of templating and tokenizing (then a 400: far past the context).
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -25,8 +26,13 @@ from rayapp.models.tokenizer import chat_token_ids
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
+# The shipped model's template, byte for byte, plus tools in the Hermes format: answers without tools are the
+# offline references' (rendered with the model's own template).
+TEMPLATE = str(Path(__file__).parent / "templates" / "chatml_tools.jinja")
 CONFIGS = {
-    "rayapp": AppConfig(dtype="float32", api_keys=[KEY], max_queued_requests=40, kv_cache_memory_gb=0.5),
+    "rayapp": AppConfig(
+        dtype="float32", api_keys=[KEY], max_queued_requests=40, kv_cache_memory_gb=0.5, chat_template=TEMPLATE
+    ),
     "vllm": AppConfig(
         engine="vllm",
         dtype="float32",
@@ -34,6 +40,7 @@ CONFIGS = {
         max_queued_requests=40,
         kv_cache_memory_gb=0.5,
         engine_kwargs={"enforce_eager": True},
+        chat_template=TEMPLATE,
     ),
 }
 ENGINES = [
@@ -341,11 +348,7 @@ def test_completions_endpoint(base_url, client):
         ({"model": MODEL, "messages": QUESTION, "response_format": {"type": "json_schema"}}, 400, "response_format"),
         ({"model": MODEL, "messages": QUESTION, "response_format": {"type": "yaml"}}, 400, "response_format.type"),
         ({"model": MODEL, "messages": QUESTION, "presence_penalty": 0.5}, 400, "presence_penalty"),
-        (
-            {"model": MODEL, "messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]},
-            400,
-            "tools",
-        ),
+        ({"model": MODEL, "messages": QUESTION, "functions": [{"name": "f"}]}, 400, "functions"),
         ({"model": MODEL, "messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs"),
         ({"model": MODEL, "messages": QUESTION, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ],
@@ -353,6 +356,86 @@ def test_completions_endpoint(base_url, client):
 def test_bad_requests_get_openai_errors(base_url, body, status, param):
     error = _error(_post(base_url, body), status)
     assert error["param"] == param
+
+
+# Tool calling. A 135M model rarely decides to call on its own, so the round trip forces the call by name
+# (constrained to the function's parameters), then sends the tool's result back and gets a text answer.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now."}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def test_a_tool_call_and_its_result_round_trip(client):
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, CLOCK], tool_choice=_named("get_weather"), max_tokens=40
+    )
+    message = first.choices[0].message
+    (call,) = message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    assert first.choices[0].finish_reason == "stop"
+    # The assistant's call and the tool's result go back in the conversation, as agent frameworks send them.
+    history = [
+        *ASK_WEATHER,
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 14, "sky": "cloudy"})},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER, CLOCK], tool_choice="none", max_tokens=24, temperature=0
+    )
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+    # The tool's result reached the model: the prompt holds the first turn, the call and the result.
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + 20
+
+
+def test_a_streamed_named_call_arrives_as_argument_deltas(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=_named("get_weather"), max_tokens=40,
+        stream=True,
+    )  # fmt: skip
+    deltas = [c.choices[0].delta for c in stream if c.choices and c.choices[0].delta.tool_calls]
+    assert deltas[0].tool_calls[0].function.name == "get_weather" and deltas[0].tool_calls[0].id
+    arguments = "".join(d.tool_calls[0].function.arguments or "" for d in deltas)
+    assert set(json.loads(arguments)) == {"city", "unit"}
+
+
+def test_required_calls_one_of_the_tools(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=60,
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    calls = reply.choices[0].message.tool_calls
+    assert len(calls) == 1 and all(c.function.name in ("get_weather", "get_time") for c in calls)
+    assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
+    assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_bad_tool_requests_are_400s(client):
+    for body, param in [
+        ({"tools": [WEATHER], "tool_choice": _named("nope")}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "14"}]}, "messages"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(**{"model": MODEL, "messages": ASK_WEATHER, "max_tokens": 4, **body})
+        assert param in str(error.value)
 
 
 def test_context_too_long_says_the_limit(base_url):

@@ -120,3 +120,7 @@ def test_forced_choices_constrain_to_the_tools_schemas():
 def test_which_templates_can_serve_tools(template, problem):
     found = template_problem(template)
     assert found is None if problem is None else problem in found
+
+
+def test_the_shipped_models_template_cannot(tokenizer):
+    assert "does not render tools" in template_problem(tokenizer.chat_template)
