@@ -1,6 +1,6 @@
 """An answer whose replica dies mid-stream continues on another with exactly the text it would have had.
 
-The ingress' `_Generation` runs over a replica handle whose first stream dies (RayActorError, as Serve
+The ingress' `Generation` runs over a replica handle whose first stream dies (RayActorError, as Serve
 raises when a replica process is gone) after some deltas; the streams come from real engine backends
 (rayapp's, and vLLM's where it is installed). Greedy, so the uninterrupted answer is the reference.
 """
@@ -15,7 +15,8 @@ from ray.exceptions import RayActorError
 
 from rayapp.config import AppConfig
 from rayapp.deployments.engines import backend_class
-from rayapp.deployments.ingress import OpenAIIngress, _Generation
+from rayapp.deployments.generation import Generation
+from rayapp.deployments.ingress import OpenAIIngress
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.tokenizer import chat_token_ids
 
@@ -50,7 +51,7 @@ class _Stream:
 
 
 class _Ingress:
-    """What `_Generation` uses of the ingress, over a replica whose first stream dies."""
+    """What `Generation` uses of the ingress, over a replica whose first stream dies."""
 
     generate_request = OpenAIIngress.generate_request
 
@@ -86,7 +87,7 @@ def engine(request):
 async def _generate(engine, ids, sampling, die_after):
     backend, config, _ = engine
     ingress = _Ingress(backend, config, die_after)
-    generation = _Generation(ingress, ingress.generate_request(ids, "", sampling, MESSAGES))
+    generation = Generation(ingress, ingress.generate_request(ids, "", sampling, MESSAGES))
     items = [await generation.next()]
     while not items[-1].last:
         items.append(await generation.next())
