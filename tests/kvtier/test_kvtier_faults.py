@@ -105,7 +105,11 @@ def test_a_dead_embedded_database_is_restarted_and_the_tier_comes_back(cluster, 
     catalog = Catalog(dsn, DIM, retry_after_s=0.5)
     assert catalog.available
     try:
-        os.kill(_server_processes(db)[0].pid, signal.SIGKILL)
+        # The whole server dies (a backend outlives a killed postmaster for a moment, and could still answer).
+        processes = _server_processes(db)
+        for p in processes:
+            p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(processes, timeout=30)
         assert catalog.upsert(rows(chain(1, "killed"))) is False  # the tier is off: requests recompute
         # Writes take again once the server is back (the catalog retries on its own), on the same DSN.
         _until(lambda: catalog.upsert(rows(chain(1, "killed"))), "the tier did not come back on by itself")
