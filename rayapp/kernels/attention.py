@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache, in plain PyTorch.
+"""Attention over a paged KV cache, in PyTorch (and C++ for CPU decode).
 
 Cache layout, per layer: ``k_cache``, ``v_cache`` are ``[P, bs, Hkv, D]``. Token ``t`` of a
 sequence lives in page ``page_table[t // bs]`` at offset ``t % bs``; its slot is
@@ -12,6 +12,8 @@ softmax. The tests compare the two.
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from rayapp.kernels import native
 
 # Prefill runs in chunks of query rows; each chunk leaves out the keys after its last query, and
 # its float32 scores [Hq, rows, keys] stay under _MAX_SCORE_BYTES wherever they are materialized
@@ -50,7 +52,25 @@ def paged_decode_attention(
     context, so pass a table only as wide as the batch needs. Masked slots (past a context, or in
     padding pages) are still read and must hold finite values: allocate caches with zeros, since a
     NaN there, even masked, turns the whole output row NaN.
+
+    On CPU this runs rayapp's C++ kernel where it is built (`rayapp.kernels.native`: it reads only
+    each sequence's own tokens, in place), elsewhere :func:`sdpa_paged_decode_attention`.
     """
+    _gqa_group(q.shape[1], k_cache.shape[2])
+    if native.handles_decode(q, k_cache):
+        return native.paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale)
+    return sdpa_paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale)
+
+
+def sdpa_paged_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    context_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """:func:`paged_decode_attention` in plain torch: the pages gathered, then one masked SDPA call."""
     B, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     group = _gqa_group(Hq, Hkv)

@@ -42,12 +42,14 @@ def make_paged_batch(
     pad_pages: int = 2,
     table_dtype: torch.dtype = torch.int64,
     seed: int = 0,
+    head_dim: int = D,
+    block: int = BLOCK,
 ) -> PagedBatch:
     gen = torch.Generator().manual_seed(seed)
-    pages_per_seq = [-(-ctx // BLOCK) for ctx in context_lens]
+    pages_per_seq = [-(-ctx // block) for ctx in context_lens]
     num_pages = sum(pages_per_seq) + 3  # a few pages nobody owns
     shuffled = torch.randperm(num_pages, generator=gen).tolist()
-    shape = (num_pages, BLOCK, num_kv_heads, D)
+    shape = (num_pages, block, num_kv_heads, head_dim)
     k_cache = torch.full(shape, POISON_K, dtype=dtype)
     v_cache = torch.full(shape, POISON_V, dtype=dtype)
     # Padding entries point at page 0, which usually belongs to some other sequence.
@@ -56,20 +58,20 @@ def make_paged_batch(
     for s, ctx in enumerate(context_lens):
         pages = [shuffled.pop() for _ in range(pages_per_seq[s])]
         page_table[s, : len(pages)] = torch.tensor(pages, dtype=table_dtype)
-        k = torch.randn(ctx, num_kv_heads, D, generator=gen).to(dtype)
-        v = torch.randn(ctx, num_kv_heads, D, generator=gen).to(dtype)
+        k = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
         for t in range(ctx):
-            k_cache[pages[t // BLOCK], t % BLOCK] = k[t]
-            v_cache[pages[t // BLOCK], t % BLOCK] = v[t]
+            k_cache[pages[t // block], t % block] = k[t]
+            v_cache[pages[t // block], t % block] = v[t]
         keys.append(k)
         values.append(v)
     lens = torch.tensor(context_lens)
     return PagedBatch(k_cache, v_cache, page_table, lens, keys, values)
 
 
-def random_queries(num_tokens: int, num_heads: int, dtype: torch.dtype, seed: int = 1) -> Tensor:
+def random_queries(num_tokens: int, num_heads: int, dtype: torch.dtype, seed: int = 1, head_dim: int = D) -> Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(num_tokens, num_heads, D, generator=gen).to(dtype)
+    return torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
 
 
 def cu_seqlens(q_lens: list[int]) -> Tensor:

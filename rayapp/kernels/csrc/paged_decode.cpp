@@ -1,0 +1,186 @@
+// Paged decode attention on CPU: one query token per sequence reads its keys and values in place, page
+// by page (no gather copy, no padding to the longest context), with scores, softmax and sums in float32.
+// Built and loaded by rayapp/kernels/native.py; it must match
+// rayapp.kernels.attention.ref_paged_decode_attention (tests/kernels/test_attention.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxHeads = 256;  // query heads of a layer (native.MAX_HEADS)
+
+// x * y summed over D, in a fixed order (the same every call). Without -ffast-math (which a shared library must
+// not use: GCC then links crtfastmath, flushing denormals for the whole process) GCC will not reorder a sum, so
+// AVX-512 gets it spelled out; elsewhere 16 lanes the compiler vectorizes.
+template <int64_t D>
+inline float dot(const float* x, const float* y) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(y));
+  for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + d), _mm512_loadu_ps(y + d), acc);
+  return _mm512_reduce_add_ps(acc);
+#else
+  float lanes[16] = {};
+  for (int64_t d = 0; d < D; d += 16)
+    for (int64_t j = 0; j < 16; ++j) lanes[j] += x[d + j] * y[d + j];
+  for (int64_t w = 8; w >= 1; w /= 2)
+    for (int64_t j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+  return lanes[0];
+#endif
+}
+
+// exp(x) for x <= 0 in place, within 3 ulp of exp: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite
+// split of ln2, a degree-6 polynomial). Plain arithmetic, so the loop vectorizes without libm; returns the sum.
+inline float exp_in_place(float* x, int64_t n) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::max(x[i], -87.0f);  // below that, expf is under float's normal range: 0 either way
+    const float k = (v * 1.44269504f + 12582912.f) - 12582912.f;  // round(v / ln2), exact for |v| < 2^22
+    const float r = (v - k * 0.693145752f) - k * 1.42860677e-6f;
+    float p = 1.38888889e-3f;
+    p = p * r + 8.33333333e-3f;
+    p = p * r + 4.16666667e-2f;
+    p = p * r + 1.66666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    x[i] = p * scale;
+    sum += x[i];
+  }
+  return sum;
+}
+
+// Attention of sequence b's query heads of KV heads [h0, h1): its pages are read once, row by row, each row
+// (one token's K or V of those heads) contiguous, so memory streams in order whatever the head count.
+// q, out: [B, Hq, D]; k_cache, v_cache: [P, bs, Hkv, D]; pages: that sequence's page ids; n: its length.
+template <typename T, int64_t D>
+struct Decode {
+  const T *q, *k_cache, *v_cache;
+  T* out;
+  int64_t Hq, Hkv, G, bs;
+  float scale;
+
+  void run(int64_t b, int64_t h0, int64_t h1, const int64_t* pages, int64_t n, std::vector<float>& qf,
+           std::vector<float>& acc, std::vector<float>& scores) const {
+    const int64_t heads = (h1 - h0) * G;  // query heads of this item, in order
+    const int64_t row_stride = Hkv * D;   // between two tokens of a page
+    const T* qb = q + (b * Hq + h0 * G) * D;
+    qf.resize(heads * D);
+    for (int64_t i = 0; i < heads * D; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
+    scores.resize(heads * n);  // [heads, n]
+    alignas(64) float row[D];
+    for (int64_t t0 = 0, p = 0; t0 < n; t0 += bs, ++p) {
+      const T* k = k_cache + pages[p] * bs * row_stride + h0 * D;
+      for (int64_t t = t0, last = std::min(t0 + bs, n); t < last; ++t, k += row_stride)
+        for (int64_t h = 0; h < h1 - h0; ++h) {
+          for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(k[h * D + d]);
+          for (int64_t g = 0; g < G; ++g) scores[(h * G + g) * n + t] = dot<D>(qf.data() + (h * G + g) * D, row);
+        }
+    }
+    float sums[kMaxHeads];
+    for (int64_t i = 0; i < heads; ++i) {
+      float* si = scores.data() + i * n;
+      const float top = *std::max_element(si, si + n);
+      for (int64_t t = 0; t < n; ++t) si[t] -= top;
+      sums[i] = exp_in_place(si, n);
+    }
+    acc.assign(heads * D, 0.f);
+    for (int64_t t0 = 0, p = 0; t0 < n; t0 += bs, ++p) {
+      const T* v = v_cache + pages[p] * bs * row_stride + h0 * D;
+      for (int64_t t = t0, last = std::min(t0 + bs, n); t < last; ++t, v += row_stride)
+        for (int64_t h = 0; h < h1 - h0; ++h) {
+          for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(v[h * D + d]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float w = scores[(h * G + g) * n + t];
+            float* a = acc.data() + (h * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) a[d] += w * row[d];
+          }
+        }
+    }
+    T* ob = out + (b * Hq + h0 * G) * D;
+    for (int64_t i = 0; i < heads; ++i) {
+      const float inv = 1.f / sums[i];
+      for (int64_t d = 0; d < D; ++d) ob[i * D + d] = static_cast<T>(acc[i * D + d] * inv);
+    }
+  }
+};
+
+// Work items: whole sequences when there are enough of them to keep every thread busy, else each
+// sequence split by KV heads (a single long sequence still uses every thread).
+template <typename T, int64_t D>
+void decode(const T* q, const T* k_cache, const T* v_cache, const int64_t* page_table, const int64_t* context_lens,
+            T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t bs, int64_t max_pages, float scale) {
+  const Decode<T, D> kernel{q, k_cache, v_cache, out, Hq, Hkv, Hq / Hkv, bs, scale};
+  const int64_t splits = B >= at::get_num_threads() ? 1 : Hkv;
+  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / splits, part = item % splits;
+      const int64_t h0 = part * Hkv / splits, h1 = (part + 1) * Hkv / splits;
+      kernel.run(b, h0, h1, page_table + b * max_pages, context_lens[b], qf, acc, scores);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& page_table, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q must be [B, Hq, D] and the caches [P, bs, Hkv, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and the KV caches must share a dtype");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0 && Hq <= kMaxHeads,
+              "query heads must be a multiple of KV heads, at most ", kMaxHeads);
+  const auto table = page_table.to(at::kLong).contiguous();
+  const auto lens = context_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && lens.numel() == B, "page_table must be [B, pages]");
+  const auto* len = lens.data_ptr<int64_t>();
+  const auto* pages = table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(len[b] >= 1 && len[b] <= table.size(1) * bs, "context_lens[", b, "] = ", len[b],
+                " is outside 1..", table.size(1) * bs);
+    for (int64_t p = 0; p < (len[b] + bs - 1) / bs; ++p)
+      TORCH_CHECK(pages[b * table.size(1) + p] >= 0 && pages[b * table.size(1) + p] < k_cache.size(0),
+                  "page_table[", b, ", ", p, "] = ", pages[b * table.size(1) + p], " is not a page of the cache");
+  }
+  const auto qc = q.contiguous();
+  auto out = at::empty_like(qc);
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "paged_decode_attention", [&] {
+    const auto run = [&](auto head_dim) {
+      decode<scalar_t, decltype(head_dim)::value>(
+          qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+          pages, len, out.data_ptr<scalar_t>(), B, Hq, Hkv, bs, table.size(1),
+          static_cast<float>(scale));
+    };
+    if (D == 64) {
+      run(std::integral_constant<int64_t, 64>{});
+    } else {
+      TORCH_CHECK(D == 128, "head_dim ", D, " is not compiled (native.HEAD_DIMS)");
+      run(std::integral_constant<int64_t, 128>{});
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(rayapp_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+}
