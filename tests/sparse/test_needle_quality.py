@@ -1,5 +1,5 @@
-"""Needle in a haystack on SmolLM2 with RetrievalKV settings scaled to its 8K context: sparse decode
-finds the fact about as often as dense decode does.
+"""Needle in a haystack on SmolLM2: sparse decode with RetrievalKV settings scaled to its 8K context, and
+layer-wise compression at its default settings, find the fact about as often as dense decode does.
 
 Each prompt is prefilled once: the dense and sparse runs share it through the prefix cache (only
 the last `scoring_queries` prompt tokens are recomputed), so the test costs about one prefill per
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from rayapp import LLM, SamplingParams
-from rayapp.config import SparseConfig
+from rayapp.config import LayerwiseConfig, SparseConfig
 from rayapp.sparse.evaluation import needle_case
 
 SCALED = SparseConfig(
@@ -47,3 +47,21 @@ def test_sparse_finds_the_needle_within_one_case_of_dense(tokenizer):
     assert offloaded == sum(n > 2100 for n in LENGTHS)
     assert dense_found >= len(LENGTHS) - 2, f"dense found only {dense_found}: the cases are too hard to judge by"
     assert sparse_found >= dense_found - 1, f"sparse found {sparse_found}, dense {dense_found} of {len(LENGTHS)}"
+
+
+def test_layerwise_compression_at_its_defaults_finds_the_needle_at_4x_within_one_case_of_dense(tokenizer):
+    # Seeds from 300: the default kernel_size was chosen with bench/layerwise.py on seeds 100 and up.
+    lengths = [1000, 1400, 1800, 2200, 2600, 3000, 3400, 4000]
+    cases = [needle_case(tokenizer, n, depth, seed=300 + i) for i, (n, depth) in enumerate(zip(lengths, DEPTHS))]
+    defaults = LayerwiseConfig(enabled=True)
+    assert defaults.compression_ratio == 4
+    llm = LLM(dtype="float32", max_num_batched_tokens=2048, kv_cache_memory_gb=4.0)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    found = {}
+    for name, config in (("dense", LayerwiseConfig()), ("layerwise", defaults)):
+        llm.engine.use_layerwise_config(config)  # each prompt is prefilled once: the second run hits its pages
+        outputs = llm.generate(prompt_token_ids=[c.prompt_token_ids for c in cases], sampling_params=params)
+        found[name] = sum(c.found(o.outputs[0].text) for c, o in zip(cases, outputs))
+    assert llm.stats()["layerwise_compacted_seqs"] == len(cases)  # counters restart with use_layerwise_config
+    assert found["dense"] >= len(cases) - 2, f"dense found only {found['dense']}: the cases are too hard to judge by"
+    assert found["layerwise"] >= found["dense"] - 1, f"found {found} of {len(cases)}"
