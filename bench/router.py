@@ -43,6 +43,7 @@ from serve_multiturn import (
     SYSTEM_PROMPT,
     RequestRecord,
     document,
+    http_turns,
     openai_client,
     percentile,
     run_conversation,
@@ -95,7 +96,9 @@ async def _load(base_url: str, args: argparse.Namespace) -> tuple[list, float]:
         start = time.perf_counter()
         per_conversation = await asyncio.gather(
             *(
-                run_conversation(client, MODEL_NAME, c, args.turns, args.max_tokens, document(c, args.context_tokens))
+                run_conversation(
+                    http_turns(client, MODEL_NAME), c, args.turns, args.max_tokens, document(c, args.context_tokens)
+                )
                 for c in range(args.conversations)
             )
         )

