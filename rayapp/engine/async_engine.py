@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -34,6 +35,9 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
         self._stopped = False
+        # Time inside `step()`: wall, and the CPU time of this loop's own thread (torch's intra-op threads not
+        # counted). Their difference is what the step waited for: the GIL, or a core another process held.
+        self._step_counters = {"engine_steps": 0, "engine_step_seconds": 0.0, "engine_step_cpu_seconds": 0.0}
         # Preempted requests' tier fetches, off the engine thread (the step loop must not wait on the tier).
         self._fetches = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rayapp-tier-refetch")
         engine.fetch_parked = self._refetch
@@ -102,11 +106,15 @@ class AsyncLLMEngine:
         self._submit(command)
         await asyncio.wrap_future(done)
 
-    async def stats(self) -> dict[str, int]:
-        """`LLMEngine.stats`, read on the engine thread between two steps (a consistent snapshot)."""
+    async def stats(self) -> dict[str, float]:
+        """`LLMEngine.stats` and the step loop's time counters, read on the engine thread between two steps
+        (a consistent snapshot)."""
         if not self.is_running():  # no step loop mutates the engine any more
-            return self.engine.stats()
-        return await self._call(self.engine.stats)
+            return self._stats()
+        return await self._call(self._stats)
+
+    def _stats(self) -> dict[str, float]:
+        return {**self.engine.stats(), **self._step_counters}
 
     async def take_kv_events(self) -> list[KVEvent]:
         """KV cache events since the last call, taken on the engine thread between two steps."""
@@ -192,7 +200,13 @@ class AsyncLLMEngine:
                 self._wakeup.clear()
                 continue
             try:
-                for output in self.engine.step():
+                wall, cpu = time.perf_counter(), time.thread_time()
+                outputs = self.engine.step()
+                counters = self._step_counters
+                counters["engine_steps"] += 1
+                counters["engine_step_seconds"] += time.perf_counter() - wall
+                counters["engine_step_cpu_seconds"] += time.thread_time() - cpu
+                for output in outputs:
                     self._deliver(output)
             except Exception as error:  # an engine bug: fail loudly, but keep serving new requests
                 logger.exception("engine step failed; failing every running request")

@@ -60,6 +60,18 @@ def test_stats_are_read_on_the_engine_thread_while_it_steps(engine, monkeypatch)
     assert threads == ["rayapp-engine"] and during["num_requests"] >= 1
 
 
+def test_stats_count_the_steps_and_their_wall_and_cpu_time(engine):
+    before = asyncio.run(engine.stats())
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    asyncio.run(_collect(engine, "timed", "Count to five.", params))
+    after = asyncio.run(engine.stats())
+    steps = after["engine_steps"] - before["engine_steps"]
+    wall = after["engine_step_seconds"] - before["engine_step_seconds"]
+    cpu = after["engine_step_cpu_seconds"] - before["engine_step_cpu_seconds"]
+    assert steps >= 12  # the prompt's step, then one per token after the first
+    assert 0 < cpu <= wall  # one thread's CPU time cannot pass its wall time
+
+
 def test_stop_string_ends_the_stream_and_is_cut_from_the_text(engine):
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
