@@ -19,8 +19,9 @@ from typing import Any
 from rayapp.config import EngineConfig
 from rayapp.engine.kv_events import BlockHash, KVEvent
 from rayapp.engine.kv_transfer import TierPlan
-from rayapp.engine.llm_engine import LLMEngine, Request
+from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import RequestOutput
+from rayapp.engine.request import Request
 from rayapp.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
