@@ -140,7 +140,7 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.scale = spec.head_dim**-0.5
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.dtype in native.DTYPES:
             native.available()  # build (or load) the C++ decode kernel now, not inside the first step
         self.sampler = Sampler()
         logger.info("KV cache: %d pages of %d tokens (%s)", self.num_pages, self.block_size, self.dtype)

@@ -1,12 +1,12 @@
 """rayapp's C++ CPU kernels (`csrc/`), built on first use by torch's cpp_extension and cached.
 
 The decode step on CPU spent half its time in `F.scaled_dot_product_attention` over gathered,
-masked pages (1.1 ms a layer for 8 sequences of ~700 tokens; the kernel here: ~0.3 ms), so decode
+masked pages (1.1 ms a layer for 8 sequences of ~700 tokens; the kernel here: ~0.4 ms), so decode
 attention reads the pages in place instead. The build needs a C++ compiler (g++) and takes ~15 s
 once per machine; it lands under torch's extension directory (`TORCH_EXTENSIONS_DIR`, by default
 `~/.cache/torch_extensions`), named by the source, torch's version and this CPU's instruction set,
 so a shared home directory never hands one CPU another's build. Where it cannot be built, or with
-`RAYAPP_NATIVE_KERNELS=0`, the plain-torch kernels run instead (the same results, slower), after
+`RAYAPP_NATIVE_KERNELS=0`, the plain-torch kernels run instead (equal up to rounding, slower), after
 one warning that says why.
 """
 
@@ -26,7 +26,7 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 HEAD_DIMS = (64, 128)  # head dims the decode kernel is compiled for (csrc/paged_decode.cpp)
 MAX_HEADS = 256  # query heads of a layer it handles
 # float32 stays on torch's SDPA: its rounding is what the exactness tests hold against transformers (logprobs
-# within 1e-4 over 30 layers); this kernel is as accurate against float64, but rounds differently.
+# within 1e-4 over 30 layers); this kernel's error against float64 is of the same order, its rounding not the same.
 DTYPES = (torch.bfloat16, torch.float16)
 # No -ffast-math: GCC would link crtfastmath into the library, flushing denormals for the whole process.
 _CFLAGS = ["-O3", "-march=native", "-std=c++17"]
