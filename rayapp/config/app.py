@@ -270,9 +270,18 @@ class AppConfig(BaseModel):
                 "engine_kwargs.kv_transfer_config is set by rayapp when kvtier.enabled (the cluster tier is vLLM's "
                 "KV connector); turn kvtier off to use another connector"
             )
-        for section in ("sparse", "layerwise"):
-            if getattr(self, section).enabled:
-                raise ValueError(f"{section}.enabled is not supported with engine: vllm; use engine: rayapp")
+        if self.layerwise.enabled:
+            raise ValueError("layerwise.enabled is not supported with engine: vllm; use engine: rayapp")
+        sparse = self.sparse.sparse_config()
+        if sparse.enabled:
+            if "worker_extension_cls" in self.engine_kwargs:
+                raise ValueError(
+                    "engine_kwargs.worker_extension_cls is set by rayapp when sparse.enabled (the retrieval plugin's "
+                    "stats); remove it"
+                )
+            errors = sparse.vllm_plugin_errors(self.kv_block_size())
+            if errors:
+                raise ValueError("sparse: " + "; ".join(errors))
         return self
 
     def kv_block_size(self) -> int:

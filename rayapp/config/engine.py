@@ -160,6 +160,25 @@ class SparseConfig:
         if errors:
             raise ValueError("invalid sparse settings: " + "; ".join(errors))
 
+    def vllm_plugin_errors(self, block_size: int | None = None) -> list[str]:
+        """What these settings ask of the vLLM `retrieval` plugin that it cannot do (empty: nothing), with
+        vLLM's page size `block_size` where it is known."""
+        errors = [
+            f"{name}={getattr(self, name)} needs rayapp's engine (per-sequence state vLLM's attention never "
+            f"sees); the vLLM plugin runs {name}=1"
+            for name in ("retrieval_stride", "scoring_queries")
+            if getattr(self, name) != 1
+        ]
+        if self.representation == "oracle":
+            errors.append("representation='oracle' reads every middle key (a yardstick); use mean, minmax or multimean")
+        if block_size is not None and self.retrieval_block_size % block_size:
+            errors.append(
+                f"retrieval_block_size={self.retrieval_block_size} must be a multiple of vLLM's block_size="
+                f"{block_size}: a retrieval block is whole pages (set block_size to a divisor of it; on CPU, a "
+                "multiple of 32)"
+            )
+        return errors
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> SparseConfig:
         """Defaults, then the `VLLM_RETRIEVAL_*` / `VLLM_PLUGINS` environment, then `overrides`.

@@ -50,9 +50,14 @@ SPARSE_COUNTERS = {
     "sparse_blocks_offloaded": "Retrieval blocks moved to the host pool",
     "sparse_cache_hits": "Selected offloaded blocks already in the device block cache",
     "sparse_cache_misses": "Selected offloaded blocks copied in from the host pool",
+    # vLLM replicas (the retrieval plugin decides per decode step, by context length).
+    "sparse_decode_steps_dense": "Decode steps of sequences attending densely, summed over sequences",
+    "sparse_decode_steps_sparse": "Decode steps of sequences attending sparsely, summed over sequences",
+    "sparse_blocks_represented": "Retrieval blocks whose representation was computed (prefix-cached ones are kept)",
 }
 SPARSE_GAUGES = {
     "sparse_running_sparse": "Running sequences in sparse retrieval mode",
+    "sparse_running_dense": "Sequences that decoded densely in the last step (vLLM replicas)",
     "sparse_running_offload": "Running sequences in sparse retrieval mode with offload",
     "sparse_selected_blocks_last_step": "Retrieval blocks selected in the last step",
     "sparse_blocks_copied_last_step": "Blocks copied host-to-device in the last step",

@@ -44,6 +44,7 @@ from rayapp.models.loader import DEFAULT_MODEL, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM, kv_transfer_config
 from rayapp.vllm_ext.kv_events import VLLMKVEvents
+from rayapp.vllm_ext.retrieval import WORKER_EXTENSION, register, settings_env
 
 # AppConfig fields that map onto AsyncEngineArgs as they are, when the user set them (else vLLM's defaults hold);
 # the page size and the KV cache size are placed below.
@@ -65,6 +66,8 @@ def engine_kwargs(config: AppConfig) -> dict[str, Any]:
     if not sized and (on_cpu or "kv_cache_memory_gb" in config.model_fields_set):
         # On CPU vLLM would otherwise size the cache from the free memory of the whole host.
         kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gb * 2**30)
+    if config.sparse.sparse_config().enabled:
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION  # the retrieval plugin's stats, for /metrics
     # rayapp's stat logger below feeds /metrics; vLLM's own periodic log lines stay off unless asked for.
     kwargs.setdefault("disable_log_stats", True)
     structured = kwargs.get("structured_outputs_config") or {}
@@ -205,8 +208,10 @@ class VLLMBackend:
         block_size: int,
         cpu_slot: Any = None,
         tokenizer: Any = None,
+        sparse: bool = False,
     ) -> None:
         self.engine, self.events, self._stats, self.block_size = engine, events, stats, block_size
+        self._sparse = sparse
         self._cpu_slot = cpu_slot
         # rayapp's detokenizer reads moved answers with it (vLLM's cannot start from delivered output).
         self.tokenizer = tokenizer
@@ -230,6 +235,10 @@ class VLLMBackend:
                 kwargs["kv_transfer_config"] = kv_transfer_config(config.kvtier, model_id)
             except Exception as error:  # no database: serve without the tier rather than not at all
                 log_unavailable(error)
+        sparse = config.sparse.sparse_config()
+        if sparse.enabled:  # the retrieval plugin, in this process and the engine core it starts
+            os.environ.update(settings_env(sparse))
+            register()
         model_dir = resolve_model(config.model)
         args = AsyncEngineArgs(model=str(model_dir), kv_events_config=kv_events, **kwargs)
         stats = _EngineStats()
@@ -237,7 +246,7 @@ class VLLMBackend:
         engine = AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_StatLogger, stats=stats)])
         block_size = config.kv_block_size()
         events = VLLMKVEvents(kv_events.endpoint, kv_events.replay_endpoint, model_id, block_size)
-        return cls(engine, events, stats, block_size, cpu_slot, load_tokenizer(model_dir))
+        return cls(engine, events, stats, block_size, cpu_slot, load_tokenizer(model_dir), sparse.enabled)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
@@ -309,6 +318,8 @@ class VLLMBackend:
             "pages_free": total - round(self._stats.kv_usage * total),
             "page_size": self.block_size,
             "kv_events_lost_batches": self.events.lost_batches,
+            # The retrieval plugin counts in vLLM's worker (one with this engine's single worker).
+            **((await self.engine.collective_rpc("retrieval_stats"))[0] if self._sparse else {}),
         }
 
     async def take_kv_events(self) -> list[KVEvent]:

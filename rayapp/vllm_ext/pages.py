@@ -80,6 +80,14 @@ _CPU_PACKINGS: dict[str, Callable[[torch.Tensor, int, int, int], tuple[_Split, _
 }
 
 
+def cpu_page_keys(cache: torch.Tensor, isa: str, page_ids: torch.Tensor) -> torch.Tensor:
+    """The keys of pages `page_ids` of one layer's CPU cache (`[num_blocks, H, block_size, 2 * D]`, packed for
+    `isa`), as `[n, block_size, H, D]`."""
+    num_blocks, h, bs, d = cache.shape[0], cache.shape[1], cache.shape[2], cache.shape[3] // 2
+    (k, _), _ = _CPU_PACKINGS[isa](cache.view(num_blocks, h, 2, bs * d), bs, h, d)
+    return k[page_ids].reshape(page_ids.shape[0], bs, h, d)
+
+
 @dataclass
 class PagedKV:
     """The KV caches of every attention layer, in layer order, and how to copy pages in and out."""

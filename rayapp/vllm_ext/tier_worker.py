@@ -29,6 +29,7 @@ from rayapp.kvtier.loader import load_chain
 from rayapp.kvtier.records import ChainMatch
 from rayapp.vllm_ext.connector import TIER_MEDIUM, BlockRun, Load, TierSettings
 from rayapp.vllm_ext.pages import PagedKV
+from rayapp.vllm_ext.retrieval import note_pages_written
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -126,6 +127,7 @@ class TierWorker:
                     )  # fmt: skip
                     break
                 self.pages.scatter(page, block.key, block.value)
+                note_pages_written([page])  # the retrieval plugin's block representations of the page are stale
                 loaded += 1
         except Exception:  # the tier is a cache: whatever went wrong, vLLM recomputes what did not load
             logger.exception("cluster KV tier: loading request %s failed", load.request_id)
