@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/sparse_attention.py            # everything
     PYTHONPATH=. python bench/sparse_attention.py --only quality --cases 12
+    PYTHONPATH=. python bench/sparse_attention.py --engine vllm --contexts 16384 32768   # the vLLM plugin
 
 Speed and memory use a random-weight model of SmolLM2-135M's shape (30 layers, 9 query / 3 KV
 heads of 64) at 8K-64K contexts, since the shipped model stops at 8K. Quality uses the shipped
@@ -225,7 +226,20 @@ def main() -> None:
     parser.add_argument("--no-text", action="store_true", help="skip greedy agreement on natural text")
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per setting (after one warm-up)")
+    parser.add_argument(
+        "--engine", choices=["rayapp", "vllm"], default="rayapp", help="vllm: the retrieval plugin vs stock vLLM"
+    )
+    parser.add_argument("--worker", choices=["stock", "plugin", "rayapp"], help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.engine == "vllm":
+        import sparse_vllm
+
+        if args.worker:
+            sparse_vllm.worker_main(args.worker, args.only, args.contexts, args.steps, args.cases, args.result)
+        else:
+            sparse_vllm.run(args.only, args.contexts, args.steps, args.cases)
+        return
     torch.set_grad_enabled(False)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; python {sys.version.split()[0]}")
     if args.only in (None, "speed"):
