@@ -244,7 +244,9 @@ class RetrievalCPUImpl(CPUAttentionBackendImpl):
             and self.sliding_window == -1
             and not self.logits_soft_cap
         )
-        self.reps: Tensor | None = None  # [num_blocks, H, R, D] float32, keyed by a block's last page
+        # [H, num_blocks, R, D] float32, keyed by a block's last page; head-major, so one gather gives the
+        # scorer its [rows, H, N, R, D] operand contiguous (a copy of that size otherwise costs as much as scoring).
+        self.reps: Tensor | None = None
         self._dense_layer: bool | None = None
 
     def forward(
@@ -304,15 +306,14 @@ class RetrievalCPUImpl(CPUAttentionBackendImpl):
         repeat block 0 and are not attended), after representing the blocks that need it."""
         num_blocks, H, bs, D2 = kv_cache.shape
         kind, R = self.config.representation, self.config.representative_keys
-        if self.reps is None or self.reps.shape[0] < num_blocks:
-            rows_per_block = REPRESENTATIVE_ROWS[kind](R)
-            self.reps = torch.zeros(num_blocks, H, rows_per_block, D2 // 2)
+        if self.reps is None or self.reps.shape[1] < num_blocks:
+            self.reps = torch.zeros(H, num_blocks, REPRESENTATIVE_ROWS[kind](R), D2 // 2)
         if rows.stale.shape[0]:
             n, ppb = rows.stale.shape
             keys = cpu_page_keys(kv_cache, isa, rows.stale.reshape(-1)).reshape(n, ppb * bs, H, D2 // 2)
-            self.reps[rows.stale[:, -1]] = block_representation(keys, kind, R)
-        reps = self.reps[rows.middle[:, :, -1]]  # [Bs, N, H, R, D]
-        scores = score_blocks(q, reps, kind)
+            self.reps[:, rows.stale[:, -1]] = block_representation(keys, kind, R).transpose(0, 1)
+        reps = self.reps[torch.arange(H)[None, :, None], rows.middle[:, None, :, -1]]  # [Bs, H, N, R, D]
+        scores = score_blocks(q, reps.transpose(1, 2), kind)
         blocks, _ = select_topk_blocks(scores, rows.num_middle, rows.num_selected)
         return blocks
 
