@@ -168,12 +168,16 @@ def run(only: str | None, contexts: list[int], steps: int, num_cases: int) -> No
         }
         print(f"\n## Needle in a haystack, {num_cases} cases of 1.2K-6K tokens, SmolLM2-135M float32; sparse at")
         print("init 64, window 512, retrieval blocks of 64, top-k 0.2, dense below 1024")
-        print(f"{'system':<26} {'found':>7} {'vs dense':>9}  sparse steps")
+        print(f"{'system':<26} {'found':>7} {'vs dense':>9}  sparse path ran")
         dense = sum(found["stock vLLM (dense)"]["found"])
         for name, r in found.items():
-            steps_taken = r["stats"].get("sparse_decode_steps_sparse", r["stats"].get("sparse_seqs_sparse", "-"))
-            got = sum(r["found"])
-            print(f"{name:<26} {got:>3}/{num_cases:<3} {got / max(dense, 1):>9.2f}  {steps_taken}")
+            stats, got = r["stats"], sum(r["found"])
+            ran = (
+                f"{stats['sparse_decode_steps_sparse']} decode steps" if "sparse_decode_steps_sparse" in stats
+                else f"{stats['sparse_seqs_sparse']} sequences" if "sparse_seqs_sparse" in stats
+                else "-"
+            )  # fmt: skip
+            print(f"{name:<26} {got:>3}/{num_cases:<3} {got / max(dense, 1):>9.2f}  {ran}")
 
 
 def worker_main(system: str, only: str, contexts: list[int], steps: int, num_cases: int, result: str) -> None:
