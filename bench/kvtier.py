@@ -35,7 +35,7 @@ import ray
 import torch
 
 from rayapp import LLM, SamplingParams
-from rayapp.engine.kv_events import hash_blocks
+from rayapp.blocks import hash_blocks
 from rayapp.kvtier.embedded import stop_embedded_database
 
 FIRST_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)

@@ -33,7 +33,7 @@ import numpy as np
 import ray
 import torch
 
-from rayapp.engine.kv_events import hash_blocks
+from rayapp.blocks import hash_blocks
 from rayapp.kvtier.catalog import BlockRow, Catalog
 from rayapp.kvtier.codec import KVBlock, decode_block, encode_block
 from rayapp.kvtier.embedded import start_embedded_database, stop_embedded_database

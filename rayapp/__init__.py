@@ -1,6 +1,6 @@
 """rayapp: LLM serving for long, multi-turn chat.
 
-The public names load lazily, so a light import (`rayapp.engine.kv_events` in a router) does
+The public names load lazily, so a light import (`rayapp.blocks` in a router) does
 not pull in torch and transformers.
 """
 

@@ -10,10 +10,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from rayapp.blocks import KVEvent
 from rayapp.config import AppConfig
 from rayapp.engine.async_engine import AsyncLLMEngine
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
-from rayapp.engine.kv_events import KVEvent
 from rayapp.kvtier import log_unavailable
 
 

@@ -26,9 +26,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from rayapp.blocks import hash_blocks
 from rayapp.config import AppConfig
 from rayapp.deployments.generation import Generation
-from rayapp.deployments.metrics import HubClient, render_prometheus
+from rayapp.deployments.metrics import render_prometheus
 from rayapp.deployments.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -41,10 +42,10 @@ from rayapp.deployments.protocol import (
 from rayapp.deployments.responses import LogprobsFormat, event, full_response, stream_chunk, usage_body
 from rayapp.deployments.tools import ToolAnswer, template_problem
 from rayapp.engine.backend import EngineRequest, GenerateDelta
-from rayapp.engine.kv_events import hash_blocks
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
 from rayapp.models.tokenizer import chat_token_ids, load_tokenizer
+from rayapp.observability import HubClient
 from rayapp.prefix_router.actor import prefix_index
 
 logger = logging.getLogger(__name__)

@@ -1,32 +1,22 @@
 """Metrics: each replica and each request router measures its own; the ingress renders all on `/metrics`.
 
 Serve offers no way to call every replica of a deployment, so each replica (and each handle's
-request router) pushes a snapshot twice a second to one `MetricsHub` actor per application, and
-the ingress renders the hub's snapshots as Prometheus text, labelled by replica. They also record
-the same numbers through `ray.util.metrics`, which Ray's own metrics agent exports for a cluster
-Prometheus.
+request router, `rayapp.prefix_router.metrics`) pushes a snapshot twice a second to one `MetricsHub`
+actor per application (`rayapp.observability`), and the ingress renders the hub's snapshots as
+Prometheus text, labelled by replica. They also record the same numbers through `ray.util.metrics`,
+which Ray's own metrics agent exports for a cluster Prometheus.
 """
 
 from __future__ import annotations
 
-import asyncio
-import bisect
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import ray
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from ray.exceptions import RayActorError
 from ray.util import metrics as ray_metrics
 
-PUSH_PERIOD_S = 0.5
-# Seconds a call on the MetricsHub may take before its caller goes on without it.
-HUB_TIMEOUT_S = 2.0
-# A replica silent for this long is gone (dead or scaled down): its numbers leave /metrics.
-STALE_AFTER_S = 10.0
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+from rayapp.observability import LATENCY_BUCKETS_S, Histogram
+
 ENGINE_COUNTERS = {
     "prompt_tokens": "Prompt tokens received",
     "cached_prompt_tokens": "Prompt tokens served from the prefix cache instead of computed",
@@ -85,25 +75,6 @@ COUNTERS = {**ENGINE_COUNTERS, **SPARSE_COUNTERS, **LAYERWISE_COUNTERS}
 GAUGES = {**ENGINE_GAUGES, **SPARSE_GAUGES, **LAYERWISE_GAUGES}
 
 
-@dataclass
-class Histogram:
-    """Cumulative-bucket histogram in Prometheus' shape, cheap to snapshot and ship."""
-
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
-    total: float = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, value)] += 1
-        self.total += value
-
-    def buckets(self) -> list[tuple[str, int]]:
-        running, out = 0, []
-        for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), self.counts):
-            running += count
-            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
-        return out
-
-
 class ReplicaMetrics:
     """One replica's request metrics, mirrored into Ray's metrics as they are recorded."""
 
@@ -151,112 +122,6 @@ class ReplicaMetrics:
             "ttft": (list(self.ttft.counts), self.ttft.total),
             "itl": (list(self.itl.counts), self.itl.total),
         }
-
-
-class RouterMetrics:
-    """One request router's decisions: why each replica was chosen, and the cache hit it expected."""
-
-    def __init__(self) -> None:
-        self.decisions: dict[str, int] = {}
-        self.predicted_cached_tokens = 0
-        self.latency = Histogram()
-        self._ray_decisions = ray_metrics.Counter(
-            "rayapp_router_decisions", "Routing decisions by reason", tag_keys=("reason",)
-        )
-        self._ray_predicted = ray_metrics.Counter(
-            "rayapp_router_predicted_cached_tokens", "Prompt tokens the router expected the chosen replica to have"
-        )
-        self._ray_latency = ray_metrics.Histogram(
-            "rayapp_router_decision_latency_seconds", "Time to choose a replica", list(LATENCY_BUCKETS_S)
-        )
-
-    def decided(self, reason: str, predicted_cached_tokens: int, seconds: float) -> None:
-        self.decisions[reason] = self.decisions.get(reason, 0) + 1
-        self.predicted_cached_tokens += predicted_cached_tokens
-        self.latency.observe(seconds)
-        self._ray_decisions.inc(tags={"reason": reason})
-        if predicted_cached_tokens:
-            self._ray_predicted.inc(predicted_cached_tokens)
-        self._ray_latency.observe(seconds)
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "decisions": dict(self.decisions),
-            "predicted_cached_tokens": self.predicted_cached_tokens,
-            "latency": (list(self.latency.counts), self.latency.total),
-        }
-
-
-@ray.remote(num_cpus=0)
-class MetricsHub:
-    """Latest snapshot of every replica and request router of one application."""
-
-    def __init__(self) -> None:
-        self._snapshots: dict[str, tuple[float, dict[str, Any]]] = {}
-        self._routers: dict[str, tuple[float, dict[str, Any]]] = {}
-
-    def push(self, replica: str, snapshot: dict[str, Any]) -> None:
-        self._snapshots[replica] = (time.monotonic(), snapshot)
-
-    def push_router(self, router: str, snapshot: dict[str, Any]) -> None:
-        self._routers[router] = (time.monotonic(), snapshot)
-
-    def remove(self, replica: str) -> None:
-        self._snapshots.pop(replica, None)
-
-    def snapshots(self) -> dict[str, dict[str, Any]]:
-        self._snapshots = _fresh(self._snapshots)
-        return {r: s for r, (_, s) in self._snapshots.items()}
-
-    def routers(self) -> dict[str, dict[str, Any]]:
-        self._routers = _fresh(self._routers)
-        return {r: s for r, (_, s) in self._routers.items()}
-
-
-def _fresh(snapshots: dict[str, tuple[float, dict[str, Any]]]) -> dict[str, tuple[float, dict[str, Any]]]:
-    now = time.monotonic()
-    return {k: (t, s) for k, (t, s) in snapshots.items() if now - t < STALE_AFTER_S}
-
-
-def metrics_hub(app_name: str) -> ray.actor.ActorHandle:
-    """The application's hub, created by whichever replica or ingress asks first.
-
-    Refuses to run without Ray rather than start one (a router thread outliving `ray.shutdown` would)."""
-    if not ray.is_initialized():
-        raise RuntimeError("Ray is not running: the metrics hub cannot be reached")
-    return MetricsHub.options(
-        name=f"rayapp-metrics-{app_name}", namespace="rayapp", get_if_exists=True, lifetime="detached", max_restarts=-1
-    ).remote()
-
-
-class HubClient:
-    """The application's MetricsHub, as replicas, routers and the ingress call it, surviving the hub's death.
-
-    A hub that crashes is restarted by Ray (the handle stays good); one that was killed, or lost with its
-    node, is created again: the call that finds it dead drops the handle and the next call gets or makes a
-    new hub by name. Replicas and routers push every `PUSH_PERIOD_S`, so a new hub is full again within one.
-    """
-
-    def __init__(self, app_name: str) -> None:
-        self.app_name = app_name
-        self._hub: ray.actor.ActorHandle | None = None
-
-    async def call(self, method: str, *args: Any, timeout_s: float = HUB_TIMEOUT_S) -> Any:
-        """`await hub.<method>(*args)`; raises what the call raised, TimeoutError past `timeout_s`."""
-        if self._hub is None:
-            self._hub = await asyncio.to_thread(metrics_hub, self.app_name)
-        hub = self._hub
-        try:
-            return await asyncio.wait_for(getattr(hub, method).remote(*args), timeout_s)
-        except RayActorError:
-            if self._hub is hub:
-                self._hub = None
-            raise
-
-    def send(self, method: str, *args: Any) -> None:
-        """Fire and forget (from synchronous code, e.g. a replica going away); nothing when no hub was reached."""
-        if self._hub is not None:
-            getattr(self._hub, method).remote(*args)
 
 
 class _Collector:

@@ -14,8 +14,9 @@ from ray import serve
 
 from rayapp.config import AppConfig
 from rayapp.deployments.engines import backend_class
-from rayapp.deployments.metrics import PUSH_PERIOD_S, HubClient, ReplicaMetrics
+from rayapp.deployments.metrics import ReplicaMetrics
 from rayapp.engine.backend import EngineRequest, GenerateDelta
+from rayapp.observability import PUSH_PERIOD_S, HubClient
 from rayapp.prefix_router.actor import prefix_index
 from rayapp.prefix_router.publisher import KVEventPublisher
 

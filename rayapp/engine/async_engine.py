@@ -16,8 +16,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from rayapp.blocks import BlockHash, KVEvent
 from rayapp.config import EngineConfig
-from rayapp.engine.kv_events import BlockHash, KVEvent
 from rayapp.engine.kv_transfer import TierPlan
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import RequestOutput

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rayapp.engine.kv_events import BlockHash, KVEvent
+from rayapp.blocks import BlockHash, KVEvent
 from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampling_params import SamplingParams
 

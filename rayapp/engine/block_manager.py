@@ -16,9 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from rayapp.blocks import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent, hash_blocks
 from rayapp.engine.free_block_queue import FreeBlockQueue, Page
-from rayapp.engine.kv_events import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent, hash_blocks
-from rayapp.engine.kv_events import hash_block as hash_block  # re-exported: defined with the events
 from rayapp.engine.sequence import Sequence
 
 # A block-table entry whose page was released after its K/V moved to the host pool.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from rayapp.engine.kv_events import BlockHash
+from rayapp.blocks import BlockHash
 
 
 @dataclass(eq=False, slots=True)

@@ -20,8 +20,8 @@ from typing import Protocol
 
 import torch
 
+from rayapp.blocks import BlockHash, BlockRemoved, BlockStored
 from rayapp.engine.block_manager import BlockManager
-from rayapp.engine.kv_events import BlockHash, BlockRemoved, BlockStored
 from rayapp.engine.model_runner import ModelRunner
 from rayapp.engine.sequence import Sequence
 

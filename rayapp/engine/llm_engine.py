@@ -7,10 +7,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from rayapp.blocks import AllCleared, BlockHash, KVEvent
 from rayapp.config import EngineConfig, LayerwiseConfig, SparseConfig
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.detokenizer import IncrementalDetokenizer
-from rayapp.engine.kv_events import AllCleared, BlockHash, KVEvent
 from rayapp.engine.kv_transfer import KVTransfer, TierBlock, TierPlan, TierPort
 from rayapp.engine.layerwise_kv import LayerwiseKV
 from rayapp.engine.model_runner import ModelRunner
@@ -146,7 +146,7 @@ class LLMEngine:
     ) -> Request:
         """Validate and tokenize without touching the scheduler (safe from any thread).
 
-        `block_hashes`, when given, are the prompt's full-block hashes as `kv_events.hash_blocks`
+        `block_hashes`, when given, are the prompt's full-block hashes as `rayapp.blocks.hash_blocks`
         computes them with this engine's model id and `cache_salt` (the ingress hashes once).
         `delivered_tokens`: the prompt's last tokens are an answer's output that another engine already
         streamed (a moved request), with `delivered_chars` of their text (None: all of it); their text is read

@@ -6,7 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any
 
-from rayapp.engine.kv_events import BlockHash
+from rayapp.blocks import BlockHash
 from rayapp.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

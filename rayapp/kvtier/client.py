@@ -26,8 +26,8 @@ import numpy as np
 import ray
 import torch
 
+from rayapp.blocks import BlockHash, BlockRemoved, BlockStored, Tier
 from rayapp.config import KVTierConfig
-from rayapp.engine.kv_events import CLUSTER_TIER, BlockHash, BlockRemoved, BlockStored
 from rayapp.kvtier.catalog import Catalog
 from rayapp.kvtier.codec import KVBlock, encode_block
 from rayapp.kvtier.embedded import start_embedded_database
@@ -161,7 +161,7 @@ class KVTierClient:
         with self._lock:
             if result.removed:
                 # Ahead of this run's BlockStored: those blocks left the tier before this run was stored.
-                self._events.append(BlockRemoved(result.removed, CLUSTER_TIER))
+                self._events.append(BlockRemoved(result.removed, Tier.CLUSTER))
                 for h in result.removed:  # gone from the tier: write it again when the engine caches it again
                     self._written.pop(h, None)
             self.counters["written_blocks"] += len(written)
@@ -173,7 +173,7 @@ class KVTierClient:
             if n:
                 parent = hashes[first - 1] if first else stored.parent_block_hash
                 tokens = stored.token_ids[first * bs : (first + n) * bs]
-                self._events.append(BlockStored(tuple(hashes[first : first + n]), parent, tokens, bs, CLUSTER_TIER))
+                self._events.append(BlockStored(tuple(hashes[first : first + n]), parent, tokens, bs, Tier.CLUSTER))
 
 
 def attach_tier(engine: LLMEngine) -> KVTierClient:

@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 import torch
 
-from rayapp.engine.kv_events import BlockHash
+from rayapp.blocks import BlockHash
 
 MAGIC = b"RKV1"
 _PREFIX = struct.Struct("<4sI")

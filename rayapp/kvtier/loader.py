@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import ray
 
-from rayapp.engine.kv_events import BlockHash, hash_block
+from rayapp.blocks import BlockHash, hash_block
 from rayapp.kvtier.codec import BlockFormatError, KVBlock, decode_block
 from rayapp.kvtier.embedded import NAMESPACE
 from rayapp.kvtier.records import ChainMatch

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rayapp.engine.kv_events import BlockHash
+from rayapp.blocks import BlockHash
 
 _U64 = 1 << 64
 _I63 = 1 << 63

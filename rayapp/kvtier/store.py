@@ -34,7 +34,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rayapp.engine.kv_events import BlockHash
+from rayapp.blocks import BlockHash
 from rayapp.kvtier.catalog import BlockRow, Catalog
 from rayapp.kvtier.codec import decode_header
 from rayapp.kvtier.embedded import NAMESPACE

@@ -13,8 +13,8 @@ import time
 
 import ray
 
+from rayapp.blocks import BlockHash, BlockRemoved, BlockStored, KVEvent, Tier
 from rayapp.config import RouterConfig
-from rayapp.engine.kv_events import CLUSTER_TIER, DEVICE_TIER, BlockHash, BlockRemoved, BlockStored, KVEvent
 from rayapp.prefix_router.index import PrefixIndex
 from rayapp.prefix_router.policy import Holding
 
@@ -28,7 +28,7 @@ CLUSTER_HOLDER = "@cluster-tier"
 
 
 def _is_cluster(event: KVEvent) -> bool:
-    return isinstance(event, (BlockStored, BlockRemoved)) and event.tier == CLUSTER_TIER
+    return isinstance(event, (BlockStored, BlockRemoved)) and event.tier == Tier.CLUSTER
 
 
 class PrefixIndexService:
@@ -63,7 +63,7 @@ class PrefixIndexService:
         wanted = set(replicas)
         overlaps = self.index.match(block_hashes)
         held = {
-            r: Holding(o.blocks, sum(t != DEVICE_TIER for t in o.tiers)) for r, o in overlaps.items() if r in wanted
+            r: Holding(o.blocks, sum(t != Tier.DEVICE for t in o.tiers)) for r, o in overlaps.items() if r in wanted
         }
         cluster = overlaps.get(CLUSTER_HOLDER)
         if cluster is None:

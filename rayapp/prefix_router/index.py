@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rayapp.engine.kv_events import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from rayapp.blocks import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(eq=False)

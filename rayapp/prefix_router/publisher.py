@@ -8,7 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rayapp.engine.kv_events import KVEvent
+from rayapp.blocks import KVEvent
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,9 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from rayapp.config import RouterConfig
-from rayapp.deployments.metrics import PUSH_PERIOD_S, HubClient, RouterMetrics
+from rayapp.observability import PUSH_PERIOD_S, HubClient
 from rayapp.prefix_router.actor import prefix_index
+from rayapp.prefix_router.metrics import RouterMetrics
 from rayapp.prefix_router.policy import Holding, rank
 
 logger = logging.getLogger(__name__)

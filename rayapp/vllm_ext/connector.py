@@ -31,8 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from rayapp.blocks import BlockHash
 from rayapp.config import KVTierConfig
-from rayapp.engine.kv_events import BlockHash
 from rayapp.kvtier.embedded import start_embedded_database
 from rayapp.kvtier.records import BlockLocation
 

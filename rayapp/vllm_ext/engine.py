@@ -31,11 +31,11 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from rayapp.blocks import KVEvent
 from rayapp.config import AppConfig
 from rayapp.config.app import VLLM_SHARED_KWARGS
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
 from rayapp.engine.detokenizer import IncrementalDetokenizer
-from rayapp.engine.kv_events import KVEvent
 from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampling_params import SamplingParams, StructuredOutput
 from rayapp.engine.structured import ANY_OBJECT

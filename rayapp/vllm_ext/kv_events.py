@@ -33,15 +33,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, KVEventBatch
 from vllm.distributed.kv_events import BlockRemoved as VLLMBlockRemoved
 from vllm.distributed.kv_events import BlockStored as VLLMBlockStored
 
-from rayapp.engine.kv_events import (
-    CLUSTER_TIER,
-    AllCleared,
-    BlockHash,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-    hash_block,
-)
+from rayapp.blocks import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent, Tier, hash_block
 from rayapp.vllm_ext.connector import TIER_MEDIUM
 
 logger = logging.getLogger(__name__)
@@ -124,9 +116,9 @@ class VLLMKVEvents:
         hashes = tuple(BlockHash(h) for h in event.block_hashes)
         if isinstance(event, VLLMBlockStored):
             parent = None if event.parent_block_hash is None else BlockHash(event.parent_block_hash)
-            self._pending.append(BlockStored(hashes, parent, tuple(event.token_ids), event.block_size, CLUSTER_TIER))
+            self._pending.append(BlockStored(hashes, parent, tuple(event.token_ids), event.block_size, Tier.CLUSTER))
         elif isinstance(event, VLLMBlockRemoved):
-            self._pending.append(BlockRemoved(hashes, CLUSTER_TIER))
+            self._pending.append(BlockRemoved(hashes, Tier.CLUSTER))
 
     def _stored(self, event: VLLMBlockStored) -> None:
         n = len(event.block_hashes)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from rayapp.engine.kv_events import BlockHash, hash_block
+from rayapp.blocks import BlockHash, hash_block
 from rayapp.kvtier.catalog import Catalog
 from rayapp.kvtier.records import ChainMatch
 from rayapp.vllm_ext.connector import BlockRun, Load, TierMetadata, TierSettings

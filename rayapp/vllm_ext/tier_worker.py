@@ -23,7 +23,7 @@ from vllm.distributed.kv_events import BlockRemoved as VLLMBlockRemoved
 from vllm.distributed.kv_events import BlockStored as VLLMBlockStored
 from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 
-from rayapp.engine.kv_events import BlockRemoved, BlockStored
+from rayapp.blocks import BlockRemoved, BlockStored
 from rayapp.kvtier.client import KVTierClient
 from rayapp.kvtier.loader import load_chain
 from rayapp.kvtier.records import ChainMatch

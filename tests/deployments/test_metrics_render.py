@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from rayapp.deployments.metrics import LATENCY_BUCKETS_S, render_prometheus
+from rayapp.deployments.metrics import render_prometheus
+from rayapp.observability import LATENCY_BUCKETS_S
 
 EMPTY = ([0] * (len(LATENCY_BUCKETS_S) + 1), 0.0)
 

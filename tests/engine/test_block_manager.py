@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from rayapp.engine import kv_events
+from rayapp import blocks as kv_events
+from rayapp.blocks import AllCleared, BlockHash, BlockRemoved, BlockStored, hash_block, hash_blocks
 from rayapp.engine.block_manager import BlockManager, PageCopy, PrefixMatch
-from rayapp.engine.kv_events import AllCleared, BlockHash, BlockRemoved, BlockStored, hash_block, hash_blocks
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.engine.sequence import Sequence
 
@@ -97,7 +97,7 @@ def test_different_salt_never_shares_pages():
 def test_hash_is_stable_across_processes():
     keys = (MODEL, "tenant-a")
     here = hash_blocks(list(range(12)), BS, keys)
-    code = f"from rayapp.engine.kv_events import hash_blocks; print(hash_blocks(list(range(12)), {BS}, {keys!r}))"
+    code = f"from rayapp.blocks import hash_blocks; print(hash_blocks(list(range(12)), {BS}, {keys!r}))"
     # A different PYTHONHASHSEED: the block hash must not depend on Python's per-process `hash`.
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

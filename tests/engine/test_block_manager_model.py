@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from rayapp.blocks import AllCleared, BlockHash, BlockRemoved, BlockStored, hash_block
 from rayapp.engine.block_manager import BlockManager
-from rayapp.engine.kv_events import AllCleared, BlockHash, BlockRemoved, BlockStored, hash_block
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.engine.sequence import Sequence
 

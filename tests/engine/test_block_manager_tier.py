@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from rayapp.blocks import BlockRemoved, BlockStored, hash_blocks
 from rayapp.engine.block_manager import BlockManager
-from rayapp.engine.kv_events import BlockRemoved, BlockStored, hash_blocks
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.engine.sequence import Sequence
 

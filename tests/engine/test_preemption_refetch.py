@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rayapp import LLM, SamplingParams
+from rayapp.blocks import BlockHash, BlockStored
 from rayapp.engine.async_engine import AsyncLLMEngine
-from rayapp.engine.kv_events import BlockHash, BlockStored
 from rayapp.engine.llm_engine import LLMEngine
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

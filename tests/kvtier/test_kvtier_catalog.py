@@ -6,7 +6,7 @@ import numpy as np
 import psycopg
 import pytest
 
-from rayapp.engine.kv_events import BlockHash, hash_blocks
+from rayapp.blocks import BlockHash, hash_blocks
 from rayapp.kvtier.catalog import (
     BlockKey,
     BlockRow,

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import torch
 
-from rayapp.engine.kv_events import BlockHash, hash_block
+from rayapp.blocks import BlockHash, hash_block
 from rayapp.kvtier.codec import BlockFormatError, KVBlock, decode_block, decode_header, encode_block
 
 # SmolLM2-shaped page: [layers, block_size, kv_heads, head_dim].

@@ -16,8 +16,8 @@ import pytest
 import ray
 import torch
 
+from rayapp.blocks import AllCleared, BlockRemoved, BlockStored, Tier, hash_blocks
 from rayapp.config import KVTierConfig
-from rayapp.engine.kv_events import CLUSTER_TIER, AllCleared, BlockRemoved, BlockStored, hash_blocks
 from rayapp.kvtier import loader
 from rayapp.kvtier.catalog import BlockLocation, BlockRow, ChainMatch, TierUsage
 from rayapp.kvtier.client import KVTierClient
@@ -137,16 +137,16 @@ def write(client: KVTierClient, salt: str, num_blocks: int) -> BlockStored:
 
 def test_blocks_the_store_evicts_are_announced_and_leave_the_routers_index(client):
     a = write(client, "a", 3)
-    assert client.take_events() == [dataclasses.replace(a, tier=CLUSTER_TIER)]
+    assert client.take_events() == [dataclasses.replace(a, tier=Tier.CLUSTER)]
     b = write(client, "b", 2)
     # B needed room: the store evicted A's last two blocks (a chain's tail goes first) and said so.
     removed, stored = client.take_events()
-    assert isinstance(removed, BlockRemoved) and removed.tier == CLUSTER_TIER
+    assert isinstance(removed, BlockRemoved) and removed.tier == Tier.CLUSTER
     assert set(removed.block_hashes) == set(a.block_hashes[1:])
-    assert stored == dataclasses.replace(b, tier=CLUSTER_TIER)
+    assert stored == dataclasses.replace(b, tier=Tier.CLUSTER)
 
     index = PrefixIndexService(max_blocks=100, replica_timeout_s=60)
-    assert index.publish("r", 0, [AllCleared(), dataclasses.replace(a, tier=CLUSTER_TIER), removed, stored])
+    assert index.publish("r", 0, [AllCleared(), dataclasses.replace(a, tier=Tier.CLUSTER), removed, stored])
     # Every replica can load A's first block and all of B from the tier, and nothing more.
     assert index.match(list(a.block_hashes), ["r", "s"]) == {"r": Holding(1, 1), "s": Holding(1, 1)}
     assert index.match(list(b.block_hashes), ["s"]) == {"s": Holding(2, 2)}

@@ -13,7 +13,7 @@ import ray
 import torch
 
 from rayapp import LLM, SamplingParams
-from rayapp.engine.kv_events import CLUSTER_TIER, BlockStored, hash_blocks
+from rayapp.blocks import BlockStored, Tier, hash_blocks
 from rayapp.kvtier.embedded import stop_embedded_database
 from rayapp.models.tokenizer import chat_token_ids
 
@@ -79,7 +79,7 @@ def test_prefill_and_decode_blocks_are_written_and_announced_for_the_router(engi
     prompt = list(range(1000, 1100))
     out = b.generate(prompt_token_ids=prompt, sampling_params=PARAMS)[0]
     b.tier.flush()
-    events = [e for e in b.engine.take_kv_events() if isinstance(e, BlockStored) and e.tier == CLUSTER_TIER]
+    events = [e for e in b.engine.take_kv_events() if isinstance(e, BlockStored) and e.tier == Tier.CLUSTER]
     tokens = prompt + out.outputs[0].token_ids
     # Every block full of computed tokens (the last sampled token is never computed), decode-filled ones too.
     expected = hash_blocks(tokens[: (len(tokens) - 1) // 16 * 16], 16, (b.engine.model_id, ""))

@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 
-from rayapp.engine.kv_events import BlockHash, hash_blocks
+from rayapp.blocks import BlockHash, hash_blocks
 from rayapp.kvtier.catalog import BlockRow, Catalog, ChainMatch, TierUsage
 from rayapp.kvtier.codec import KVBlock, decode_block, encode_block
 from rayapp.kvtier.embedded import EmbeddedPostgres, _free_port, start_embedded_database, stop_embedded_database

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rayapp.engine.kv_events import AllCleared, BlockRemoved, BlockStored, hash_blocks
+from rayapp.blocks import AllCleared, BlockRemoved, BlockStored, hash_blocks
 from rayapp.prefix_router import actor as actor_module
 from rayapp.prefix_router.actor import PrefixIndexService
 from rayapp.prefix_router.policy import Holding

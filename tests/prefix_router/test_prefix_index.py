@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from rayapp.engine.kv_events import AllCleared, BlockRemoved, BlockStored, hash_blocks
+from rayapp.blocks import AllCleared, BlockRemoved, BlockStored, hash_blocks
 from rayapp.prefix_router.index import Overlap, PrefixIndex
 
 BS = 2

@@ -24,9 +24,9 @@ from vllm.distributed.kv_events import (  # noqa: E402
     ZmqEventPublisher,
 )
 
-from rayapp.engine.kv_events import CLUSTER_TIER, AllCleared, hash_blocks  # noqa: E402
-from rayapp.engine.kv_events import BlockRemoved as RayappBlockRemoved  # noqa: E402
-from rayapp.engine.kv_events import BlockStored as RayappBlockStored  # noqa: E402
+from rayapp.blocks import AllCleared, Tier, hash_blocks  # noqa: E402
+from rayapp.blocks import BlockRemoved as RayappBlockRemoved  # noqa: E402
+from rayapp.blocks import BlockStored as RayappBlockStored  # noqa: E402
 from rayapp.prefix_router.actor import PrefixIndexService  # noqa: E402
 from rayapp.prefix_router.index import PrefixIndex  # noqa: E402
 from rayapp.prefix_router.publisher import KVEventPublisher  # noqa: E402
@@ -240,8 +240,8 @@ def test_tier_connector_blocks_are_credited_to_every_replica_and_stay_out_of_the
     )  # fmt: skip
     events = channel.wait_for(2)
     assert events == [
-        RayappBlockStored(tuple(tier[:4]), None, tuple(TOKENS[:16]), BS, CLUSTER_TIER),
-        RayappBlockRemoved((tier[3],), CLUSTER_TIER),
+        RayappBlockStored(tuple(tier[:4]), None, tuple(TOKENS[:16]), BS, Tier.CLUSTER),
+        RayappBlockRemoved((tier[3],), Tier.CLUSTER),
     ]
     service = PrefixIndexService(max_blocks=1000, replica_timeout_s=60)
     assert service.publish("writer", 0, [AllCleared(), *events])

@@ -23,8 +23,8 @@ pytest.importorskip("vllm")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 
+from rayapp.blocks import BlockHash, hash_blocks  # noqa: E402
 from rayapp.config import KVTierConfig  # noqa: E402
-from rayapp.engine.kv_events import BlockHash, hash_blocks  # noqa: E402
 from rayapp.kvtier.catalog import Catalog  # noqa: E402
 from rayapp.kvtier.codec import KVBlock, encode_block  # noqa: E402
 from rayapp.kvtier.embedded import NAMESPACE, start_embedded_database, stop_embedded_database  # noqa: E402

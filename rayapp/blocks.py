@@ -1,12 +1,14 @@
-"""Block identity and the events a replica's BlockManager emits when its prefix cache changes.
+"""Block identity and the events a replica emits when its prefix cache changes.
 
 Engine, ingress, router and cluster tier all name a block by `hash_block`'s chained hash: the same
 block has the same hash on every replica, node and tier. The prefix router builds its index only
-from these events (never guessed from text), so each one states exactly what changed.
+from these events (never guessed from text), so each one states exactly what changed. This module
+sits below all of them (it imports nothing of rayapp's), so none imports another for it.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import struct
 from collections import abc
@@ -15,9 +17,15 @@ from typing import NewType
 
 BlockHash = NewType("BlockHash", int)
 
-DEVICE_TIER = "device"
-# Blocks in the cluster KV tier (`rayapp.kvtier`): loadable by every replica, not only the one announcing them.
-CLUSTER_TIER = "cluster"
+
+class Tier(str, enum.Enum):
+    """Where an announced block is held."""
+
+    # A replica's own page pool.
+    DEVICE = "device"
+    # The cluster KV tier (`rayapp.kvtier`): loadable by every replica, not only the one announcing it.
+    CLUSTER = "cluster"
+
 
 # Versioned, so a change of packing can never match hashes made by an older replica.
 _HASH_PERSON = b"rayapp-kv-v1"
@@ -68,7 +76,7 @@ class BlockStored:
     parent_block_hash: BlockHash | None
     token_ids: tuple[int, ...]
     block_size: int
-    tier: str = DEVICE_TIER
+    tier: Tier = Tier.DEVICE
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ class BlockRemoved:
     """Blocks are no longer cached in `tier` (their pages were reused)."""
 
     block_hashes: tuple[BlockHash, ...]
-    tier: str = DEVICE_TIER
+    tier: Tier = Tier.DEVICE
 
 
 @dataclass(frozen=True)
