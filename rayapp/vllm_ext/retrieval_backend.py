@@ -75,7 +75,6 @@ class SparseRows:
     query_start_loc: Tensor  # [Bs * H + 1] int32
     scheduler_metadata: Tensor
     stale: Tensor  # [n, ppb] pages of the middle blocks whose representations this step computes
-    max_selected: int
 
 
 @dataclass
@@ -208,7 +207,6 @@ def plan_sparse_rows(
         query_start_loc=qsl_sel,
         scheduler_metadata=scheduler(qsl_sel, seq_lens_sel, num_heads // H, 1),
         stale=flat[EPOCHS.take_stale(flat, valid.reshape(-1))],
-        max_selected=K,
     )
 
 

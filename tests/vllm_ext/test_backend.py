@@ -148,7 +148,10 @@ def test_bad_engine_settings_are_refused_naming_the_field():
         AppConfig(engine="vllm", engine_kwargs={"model": "other"})
     with pytest.raises(ValueError, match="kv_transfer_config is set by rayapp when kvtier.enabled"):
         AppConfig(engine="vllm", kvtier={"enabled": True}, engine_kwargs={"kv_transfer_config": {}})
-    with pytest.raises(ValueError, match="sparse.enabled"):
-        AppConfig(engine="vllm", sparse={"enabled": True})
+    # Sparse retrieval runs on vLLM replicas (the retrieval plugin); what the plugin cannot do is refused.
+    with pytest.raises(ValueError, match="retrieval_stride=2 needs rayapp's engine"):
+        AppConfig(engine="vllm", sparse={"enabled": True, "retrieval_stride": 2})
+    with pytest.raises(ValueError, match="worker_extension_cls is set by rayapp when sparse.enabled"):
+        AppConfig(engine="vllm", sparse={"enabled": True}, engine_kwargs={"worker_extension_cls": "my.Ext"})
     with pytest.raises(ValueError, match="engine: vllm only"):
         AppConfig(engine_kwargs={"enforce_eager": True})
