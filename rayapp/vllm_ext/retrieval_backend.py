@@ -310,7 +310,11 @@ class RetrievalCPUImpl(CPUAttentionBackendImpl):
             n, ppb = rows.stale.shape
             keys = cpu_page_keys(kv_cache, isa, rows.stale.reshape(-1)).reshape(n, ppb * bs, H, D2 // 2)
             self.reps[:, rows.stale[:, -1]] = block_representation(keys, kind, R).transpose(0, 1)
-        reps = self.reps[torch.arange(H)[None, :, None], rows.middle[:, None, :, -1]]  # [Bs, H, N, R, D]
+        _, P, rows_per_block, D = self.reps.shape
+        Bs, N = rows.middle.shape[:2]
+        # Row h * P + page of the flat store is head h's representation of the block ending at `page`.
+        index = (torch.arange(H)[None, :, None] * P + rows.middle[:, None, :, -1]).view(-1)
+        reps = self.reps.view(H * P, -1).index_select(0, index).view(Bs, H, N, rows_per_block, D)
         scores = score_blocks(q, reps.transpose(1, 2), kind)
         blocks, _ = select_topk_blocks(scores, rows.num_middle, rows.num_selected)
         return blocks
