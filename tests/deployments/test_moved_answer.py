@@ -80,7 +80,11 @@ def engine(request):
     loop = asyncio.new_event_loop()
     backend = backend_class(config).from_app_config(config)
     yield backend, config, loop
-    backend.shutdown()
+
+    async def shutdown() -> None:  # on its loop: vLLM's AsyncLLM closes its sockets at once there
+        backend.shutdown()
+
+    loop.run_until_complete(shutdown())
     loop.close()
 
 

@@ -58,6 +58,10 @@ def _environment(**values: str):
         AttentionBackendEnum.CPU_ATTN.clear_override()
 
 
+async def _on_loop(fn) -> None:
+    fn()
+
+
 @pytest.fixture(scope="module")
 def prompts():
     tok = load_tokenizer(resolve_model(None))
@@ -173,7 +177,9 @@ def test_a_vllm_replica_with_sparse_enabled_runs_the_plugin_and_reports_it(promp
             answers = [loop.run_until_complete(answer(i, c.prompt_token_ids)) for i, c in enumerate(needles)]
             stats = loop.run_until_complete(backend.stats())
         finally:
-            backend.shutdown()
+            # On its loop: vLLM's AsyncLLM closes its sockets at once there, and only schedules it from outside
+            # (left open, they hang zmq's context termination when Python collects it).
+            loop.run_until_complete(_on_loop(backend.shutdown))
             loop.close()
     assert answers != stock[1][4:]
     assert stats["sparse_decode_steps_sparse"] >= len(needles)
