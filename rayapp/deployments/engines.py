@@ -6,14 +6,16 @@ for, so rayapp installs and serves without it.
 
 from __future__ import annotations
 
-import asyncio
+import functools
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from rayapp.blocks import KVEvent
 from rayapp.config import AppConfig
-from rayapp.engine.async_engine import AsyncLLMEngine
-from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
+from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta
+from rayapp.engine.engine_process import EngineProcess
+from rayapp.engine.llm_engine import LLMEngine
 from rayapp.kvtier import log_unavailable
 
 
@@ -33,47 +35,25 @@ def backend_class(config: AppConfig) -> type:
 
 
 class RayappBackend:
-    """rayapp's own engine (`AsyncLLMEngine`), with the cluster KV tier attached when it is on."""
+    """rayapp's own engine, stepping in a child process of the replica (`EngineProcess`), with the cluster KV
+    tier attached there when it is on."""
 
-    def __init__(self, engine: AsyncLLMEngine, tier: Any = None) -> None:
+    def __init__(self, engine: EngineProcess) -> None:
         self.engine = engine
-        self.tier = tier
-        self.block_size = engine.engine.config.cache.block_size
+        self.block_size = engine.block_size
 
     @classmethod
     def from_app_config(cls, config: AppConfig) -> RayappBackend:
-        engine = AsyncLLMEngine.from_config(config.engine_config())
-        tier = None
+        setup = None
         if config.kvtier.enabled:
-            from rayapp.kvtier.client import attach_tier  # psycopg and the tier only where the tier is on
+            import ray  # the tier's blocks live in this cluster's object store
 
-            try:
-                tier = attach_tier(engine.engine)
-            except Exception as error:  # no database, no store: serve without the tier rather than not at all
-                log_unavailable(error)
-        return cls(engine, tier)
+            address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+            setup = functools.partial(_attach_tier, address)
+        return cls(EngineProcess(config.engine_config(), setup))
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
-        stream = self.engine.generate(
-            request.request_id,
-            params=request.sampling,
-            prompt_token_ids=request.prompt_token_ids,
-            cache_salt=request.cache_salt,
-            block_hashes=request.block_hashes,
-            delivered_tokens=request.delivered_tokens,
-            delivered_chars=request.delivered_chars,
-        )
-        generated = 0
-        async for out in stream:
-            completion = out.outputs[0]  # the answer that progressed
-            generated += len(completion.delta_token_ids)
-            usage = None
-            if out.finished:
-                usage = Usage(len(out.prompt_token_ids), generated, out.num_cached_tokens)
-            yield GenerateDelta(
-                completion.delta_text, completion.delta_token_ids, completion.finish_reason, usage,
-                completion.delta_logprobs, completion.index,
-            )  # fmt: skip
+    def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
+        return self.engine.generate(request)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -89,13 +69,29 @@ class RayappBackend:
 
     async def check_health(self) -> None:
         if not self.engine.is_running():
-            raise EngineDeadError("the rayapp engine's step loop has stopped")
+            raise EngineDeadError("the rayapp engine's process has stopped")
 
     async def flush_tier(self) -> None:
-        if self.tier is not None:
-            await asyncio.to_thread(self.tier.flush)
+        await self.engine.flush_tier()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-        if self.tier is not None:
-            self.tier.close()
+
+
+def _attach_tier(ray_address: str | None, engine: LLMEngine) -> Any:
+    """In the engine's process: join the replica's Ray cluster and attach the cluster tier to `engine` (None,
+    with one warning, when it cannot be reached: the engine serves without it)."""
+    if ray_address is None:
+        log_unavailable(RuntimeError("the cluster KV tier needs Ray, and the replica runs outside a Ray cluster"))
+        return None
+    import ray
+
+    from rayapp.kvtier.client import attach_tier  # psycopg and the tier only where the tier is on
+
+    try:
+        if not ray.is_initialized():
+            ray.init(address=ray_address, log_to_driver=False, logging_level=logging.WARNING)
+        return attach_tier(engine)
+    except Exception as error:  # no database, no store: serve without the tier rather than not at all
+        log_unavailable(error)
+        return None

@@ -22,6 +22,7 @@ import pytest
 
 from rayapp import LLM, SamplingParams
 from rayapp.config import AppConfig
+from rayapp.engine.engine_process import PROCESS_NAME
 from rayapp.models.tokenizer import chat_token_ids
 
 KEY = "test-key"
@@ -530,23 +531,23 @@ def test_metrics_cover_the_required_series(base_url):
     assert _metric(base_url, "rayapp_cached_prompt_tokens_total") > 0
 
 
-def _engine_cores() -> list:
-    """vLLM engine-core processes of the Serve replicas (the offline reference's is this process' child)."""
+def _engine_processes(engine: str) -> list:
+    """The Serve replicas' engine processes: vLLM's engine cores, or rayapp's engine processes (the offline
+    reference's engine is this test process' own, or its child)."""
     import os
 
     import psutil
 
-    return [
-        p
-        for p in psutil.process_iter(["name", "cmdline", "ppid"])
-        if "EngineCore" in " ".join(p.info["cmdline"] or [p.info["name"] or ""]) and p.info["ppid"] != os.getpid()
-    ]
+    def named(p) -> bool:
+        if engine == "vllm":
+            return "EngineCore" in " ".join(p.info["cmdline"] or [p.info["name"] or ""])
+        return p.info["name"] == PROCESS_NAME
+
+    return [p for p in psutil.process_iter(["name", "cmdline", "ppid"]) if named(p) and p.info["ppid"] != os.getpid()]
 
 
-def test_a_dead_vllm_engine_core_fails_the_health_check_and_the_replica_is_replaced(base_url, client, config):
-    if config.engine != "vllm":
-        pytest.skip("vLLM's engine core runs in a process of its own; rayapp's engine runs in the replica")
-    cores = _engine_cores()
+def test_a_dead_engine_process_fails_the_health_check_and_the_replica_is_replaced(base_url, client, config):
+    cores = _engine_processes(config.engine)
     assert len(cores) == 1, cores
     cores[0].kill()
     # Until Serve replaces the replica, requests fail fast (5xx), never hang; then they are answered again.
@@ -556,6 +557,6 @@ def test_a_dead_vllm_engine_core_fails_the_health_check_and_the_replica_is_repla
         if response.status_code == 200:
             break
         assert response.status_code >= 500, response.text
-        assert time.monotonic() < deadline, "the replica with a dead engine core was never replaced"
+        assert time.monotonic() < deadline, "the replica with a dead engine process was never replaced"
         time.sleep(2)
-    assert [p.pid for p in _engine_cores()] != [cores[0].pid]
+    assert [p.pid for p in _engine_processes(config.engine)] != [cores[0].pid]

@@ -1,0 +1,306 @@
+"""rayapp's engine in a child process of its own, as vLLM runs its EngineCore: the step loop shares no GIL.
+
+Served in the replica's process, the step loop lost ~15% of every step waiting for the GIL behind
+the replica's other Python threads (Ray Serve's per-token serialization and event loops), and ran
+slower on the CPU it got. Here the child owns the `LLMEngine` and its `EngineLoop`; the parent
+keeps only pipes and streams.
+
+Over one duplex pipe (pickled tuples):
+- parent → child: `("add", request_id, kwargs)` (the arguments of `LLMEngine.prepare_request`),
+  `("abort", request_id)`, `("call", call_id, name)` for `stats`, `take_kv_events`, `kv_snapshot`
+  and `flush_tier`, and `("shutdown",)`;
+- child → parent: `("ready",)` or `("failed", message)` once at start, then one `("outputs", [(request_id,
+  GenerateDelta), ...])` per step, `("rejected", request_id, message)` for a request `prepare_request`
+  refused (a ValueError the client caused), `("ended", message, request_ids)` for requests an engine
+  failure ended, and `("reply", call_id, ok, value)`.
+
+The child reads the pipe on its main thread and leaves when it closes (the parent exited or was
+killed): no engine outlives its replica. A child that dies makes every open stream and call raise
+`EngineDeadError`, and `is_running()` false, so Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import ctypes
+import itertools
+import logging
+import multiprocessing
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from rayapp.blocks import KVEvent
+from rayapp.config import EngineConfig
+from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
+from rayapp.engine.engine_loop import EngineLoop
+from rayapp.engine.llm_engine import LLMEngine
+from rayapp.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# What ps and top show for the engine's process (Linux keeps 15 bytes of it).
+PROCESS_NAME = "rayapp-engine"
+PR_SET_NAME = 15
+
+# Something the child holds beside the engine (a cluster-tier client): flushed on `flush_tier`, closed at exit.
+Attachment = Any
+# Runs in the child once the engine is built (say, to attach the cluster tier); returns what to flush and close.
+Setup = Callable[[LLMEngine], Attachment]
+_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[GenerateDelta | BaseException]"]
+
+
+class EngineProcess:
+    """An `LLMEngine` stepping in a child process; streams its requests as `GenerateDelta`s.
+
+    `setup` (picklable) runs in the child after the engine is built. The constructor returns once the
+    model is loaded, and raises RuntimeError with the child's error when the engine cannot start.
+    """
+
+    def __init__(self, config: EngineConfig, setup: Setup | None = None) -> None:
+        self.block_size = config.cache.block_size
+        context = multiprocessing.get_context("spawn")  # a fork would copy the replica's threads and locks
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_child_main, args=(child_conn, config, setup, torch.get_num_threads()),
+            name=PROCESS_NAME, daemon=True,
+        )  # fmt: skip
+        self._process.start()
+        child_conn.close()
+        try:
+            first = self._conn.recv()
+        except EOFError:
+            first = ("failed", f"the engine process exited with code {self._process.exitcode} while starting")
+        if first[0] != "ready":
+            self._process.join(timeout=10)
+            raise RuntimeError(f"rayapp's engine did not start: {first[1]}")
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, concurrent.futures.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._dead: str | None = None
+        self._reader = threading.Thread(target=self._read, name="rayapp-engine-reader", daemon=True)
+        self._reader.start()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
+        """Stream one request until its last delta (the one with usage). A request the engine refuses raises
+        ValueError; leaving early aborts it and frees its pages."""
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        out_queue: asyncio.Queue[GenerateDelta | BaseException] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
+        finished = False
+        try:
+            self._send(("add", request_id, _prepare_kwargs(request)))
+            while not finished:
+                item = await out_queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the child forgot it already
+                    raise item
+                finished = item.last
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self._dead is None:
+                self._send(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its pages are freed. Its stream ends with finish_reason 'abort'."""
+        await self._call("abort", request_id)
+
+    async def stats(self) -> dict[str, float]:
+        """The engine's counters and the step loop's, read between two steps (a consistent snapshot)."""
+        return await self._call("stats")
+
+    async def take_kv_events(self) -> list[KVEvent]:
+        return await self._call("take_kv_events")
+
+    async def kv_snapshot(self) -> list[KVEvent]:
+        return await self._call("kv_snapshot")
+
+    async def flush_tier(self) -> None:
+        """Return once every block the engine queued for the cluster tier is written (at once without one)."""
+        await self._call("flush_tier")
+
+    def is_running(self) -> bool:
+        return self._dead is None and self._process.is_alive()
+
+    def shutdown(self) -> None:
+        """Stop the child (its running requests fail); kill it if it does not stop within 30 s."""
+        with contextlib.suppress(EngineDeadError):
+            self._send(("shutdown",))
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._reader.join(timeout=5)
+        self._conn.close()
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = done
+        self._send(("call", call_id, name, *args))
+        return await asyncio.wrap_future(done)
+
+    def _send(self, message: tuple) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except OSError as error:
+            raise EngineDeadError(f"rayapp's engine process is gone ({error})") from None
+
+    def _read(self) -> None:
+        """Reader thread: route the child's messages to their streams (one event-loop wakeup per step)."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "outputs":
+                self._route(message[1])
+            elif kind == "reply":
+                _, call_id, ok, value = message
+                done = self._calls.pop(call_id)
+                done.set_result(value) if ok else done.set_exception(value)
+            elif kind == "rejected":
+                self._route([(message[1], ValueError(message[2]))])
+            elif kind == "ended":
+                _, reason, request_ids = message
+                self._route([(request_id, RuntimeError(reason)) for request_id in request_ids])
+        code = self._process.exitcode
+        self._dead = f"rayapp's engine process exited (code {code})" if code else "rayapp's engine process stopped"
+        error = EngineDeadError(self._dead)
+        self._route([(request_id, error) for request_id in list(self._streams)])
+        for done in list(self._calls.values()):
+            done.set_exception(error)
+        self._calls.clear()
+
+    def _route(self, items: list[tuple[str, GenerateDelta | BaseException]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerateDelta | BaseException]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
+    for out_queue, item in puts:
+        out_queue.put_nowait(item)
+
+
+def _prepare_kwargs(request: EngineRequest) -> dict[str, Any]:
+    return {
+        "params": request.sampling,
+        "prompt_token_ids": request.prompt_token_ids,
+        "cache_salt": request.cache_salt,
+        "block_hashes": request.block_hashes,
+        "delivered_tokens": request.delivered_tokens,
+        "delivered_chars": request.delivered_chars,
+    }
+
+
+class _Deltas:
+    """The child's side of `GenerateDelta`: a request's generated tokens counted over its outputs (all its
+    answers), for the usage on its last delta."""
+
+    def __init__(self) -> None:
+        self._generated: dict[str, int] = {}
+
+    def __call__(self, out: RequestOutput) -> tuple[str, GenerateDelta]:
+        completion = out.outputs[0]  # the answer that progressed
+        generated = self._generated.get(out.request_id, 0) + len(completion.delta_token_ids)
+        usage = None
+        if out.finished:
+            self._generated.pop(out.request_id, None)
+            usage = Usage(len(out.prompt_token_ids), generated, out.num_cached_tokens)
+        else:
+            self._generated[out.request_id] = generated
+        delta = GenerateDelta(
+            completion.delta_text, completion.delta_token_ids, completion.finish_reason, usage,
+            completion.delta_logprobs, completion.index,
+        )  # fmt: skip
+        return out.request_id, delta
+
+
+def _name_process(name: str) -> None:
+    """Show `name` for this process in ps, top and psutil (Linux; elsewhere the name stays python's)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def _child_main(conn: Connection, config: EngineConfig, setup: Setup | None, num_threads: int) -> None:
+    _name_process(PROCESS_NAME)
+    torch.set_num_threads(num_threads)
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock, contextlib.suppress(OSError):  # OSError: the parent is gone, and this process exits
+            conn.send(message)
+
+    try:
+        engine = LLMEngine(config)
+        attachment = setup(engine) if setup is not None else None
+    except Exception as error:
+        logger.exception("rayapp's engine did not start")
+        send(("failed", f"{type(error).__name__}: {error}"))
+        return
+    deltas = _Deltas()
+    loop = EngineLoop(
+        engine,
+        deliver=lambda outputs: send(("outputs", [deltas(out) for out in outputs])),
+        fail=lambda error, request_ids: send(("ended", str(error), request_ids)),
+    )
+    flusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rayapp-engine-flush")
+    calls: dict[str, Callable[..., concurrent.futures.Future[Any]]] = {
+        "abort": loop.abort,
+        "stats": lambda: loop.call(loop.stats),
+        "take_kv_events": lambda: loop.call(engine.take_kv_events),
+        "kv_snapshot": lambda: loop.call(engine.kv_snapshot),
+        # Waits on the tier's writer: on a thread of its own, never the step loop's.
+        "flush_tier": lambda: flusher.submit(lambda: attachment is not None and attachment.flush()),
+    }
+
+    def reply(call_id: int, done: concurrent.futures.Future[Any]) -> None:
+        error = done.exception()
+        send(("reply", call_id, error is None, done.result() if error is None else error))
+
+    send(("ready",))
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):  # the parent is gone
+                break
+            kind = message[0]
+            if kind == "add":
+                _, request_id, kwargs = message
+                try:
+                    loop.add(engine.prepare_request(request_id, **kwargs))
+                except ValueError as error:
+                    send(("rejected", request_id, str(error)))
+            elif kind == "abort":
+                loop.abort(message[1])
+            elif kind == "call":
+                _, call_id, name, *args = message
+                calls[name](*args).add_done_callback(lambda done, call_id=call_id: reply(call_id, done))
+            elif kind == "shutdown":
+                break
+    finally:
+        loop.shutdown()
+        if attachment is not None:
+            attachment.close()
+        # Threads a setup started (Ray's, the tier's) must not keep an engine alive without its parent.
+        os._exit(0)
