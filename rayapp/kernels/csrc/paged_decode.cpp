@@ -21,23 +21,17 @@ namespace {
 
 constexpr int64_t kMaxHeads = 256;  // query heads of a layer (native.MAX_HEADS)
 
-// x * y summed over D, in a fixed order (the same every call). Without -ffast-math (which a shared library must
-// not use: GCC then links crtfastmath, flushing denormals for the whole process) GCC will not reorder a sum, so
-// AVX-512 gets it spelled out; elsewhere 16 lanes the compiler vectorizes.
+// x * y summed over D, in a fixed order (the same every call): 16 lanes the compiler vectorizes. Without
+// -ffast-math (which a shared library must not use: GCC then links crtfastmath, flushing denormals for the whole
+// process) GCC will not reorder a sum, so the lanes are spelled out.
 template <int64_t D>
 inline float dot(const float* x, const float* y) {
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_loadu_ps(y));
-  for (int64_t d = 16; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + d), _mm512_loadu_ps(y + d), acc);
-  return _mm512_reduce_add_ps(acc);
-#else
   float lanes[16] = {};
   for (int64_t d = 0; d < D; d += 16)
     for (int64_t j = 0; j < 16; ++j) lanes[j] += x[d + j] * y[d + j];
   for (int64_t w = 8; w >= 1; w /= 2)
     for (int64_t j = 0; j < w; ++j) lanes[j] += lanes[j + w];
   return lanes[0];
-#endif
 }
 
 // exp(x) for x <= 0 in place, within 3 ulp of exp: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite
@@ -64,6 +58,30 @@ inline float exp_in_place(float* x, int64_t n) {
   return sum;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 cache values as float32.
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lane t of the result is the sum of v[t]'s 16 lanes (v is overwritten): a tree of pairwise sums across the 16
+// vectors at once, in a fixed order, instead of one horizontal reduction per vector.
+inline __m512 sum_lanes16(__m512* v) {
+  alignas(64) static const int32_t kEven[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  alignas(64) static const int32_t kOdd[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  const __m512i even = _mm512_load_si512(kEven), odd = _mm512_load_si512(kOdd);
+  for (int n = 16; n > 1; n /= 2)
+    for (int j = 0; j < n / 2; ++j)
+      v[j] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * j], even, v[2 * j + 1]),
+                           _mm512_permutex2var_ps(v[2 * j], odd, v[2 * j + 1]));
+  return v[0];
+}
+#endif
+
 // Attention of sequence b's query heads of KV heads [h0, h1): its pages are read once, row by row, each row
 // (one token's K or V of those heads) contiguous, so memory streams in order whatever the head count.
 // q, out: [B, Hq, D]; k_cache, v_cache: [P, bs, Hkv, D]; pages: that sequence's page ids; n: its length.
@@ -81,42 +99,154 @@ struct Decode {
     const T* qb = q + (b * Hq + h0 * G) * D;
     qf.resize(heads * D);
     for (int64_t i = 0; i < heads * D; ++i) qf[i] = static_cast<float>(qb[i]) * scale;
-    scores.resize(heads * n);  // [heads, n]
-    alignas(64) float row[D];
-    for (int64_t t0 = 0, p = 0; t0 < n; t0 += bs, ++p) {
-      const T* k = k_cache + pages[p] * bs * row_stride + h0 * D;
-      for (int64_t t = t0, last = std::min(t0 + bs, n); t < last; ++t, k += row_stride)
-        for (int64_t h = 0; h < h1 - h0; ++h) {
-          for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(k[h * D + d]);
-          for (int64_t g = 0; g < G; ++g) scores[(h * G + g) * n + t] = dot<D>(qf.data() + (h * G + g) * D, row);
-        }
-    }
+    // [heads, stride]; room past n for the 16-lane stores of the vector path.
+    const int64_t stride = (n + 15) / 16 * 16 + 16;
+    scores.resize(heads * stride);
+    acc.assign(heads * D, 0.f);
+    scores_of(h0, h1, pages, n, qb, qf.data(), scores.data(), stride);
     float sums[kMaxHeads];
     for (int64_t i = 0; i < heads; ++i) {
-      float* si = scores.data() + i * n;
+      float* si = scores.data() + i * stride;
       const float top = *std::max_element(si, si + n);
       for (int64_t t = 0; t < n; ++t) si[t] -= top;
       sums[i] = exp_in_place(si, n);
     }
-    acc.assign(heads * D, 0.f);
-    for (int64_t t0 = 0, p = 0; t0 < n; t0 += bs, ++p) {
-      const T* v = v_cache + pages[p] * bs * row_stride + h0 * D;
-      for (int64_t t = t0, last = std::min(t0 + bs, n); t < last; ++t, v += row_stride)
-        for (int64_t h = 0; h < h1 - h0; ++h) {
-          for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(v[h * D + d]);
-          for (int64_t g = 0; g < G; ++g) {
-            const float w = scores[(h * G + g) * n + t];
-            float* a = acc.data() + (h * G + g) * D;
-            for (int64_t d = 0; d < D; ++d) a[d] += w * row[d];
-          }
-        }
-    }
+    values_of(h0, h1, pages, n, scores.data(), stride, acc.data());
     T* ob = out + (b * Hq + h0 * G) * D;
     for (int64_t i = 0; i < heads; ++i) {
       const float inv = 1.f / sums[i];
       for (int64_t d = 0; d < D; ++d) ob[i * D + d] = static_cast<T>(acc[i * D + d] * inv);
     }
   }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  static constexpr int64_t kV = D / 16;  // float32 vectors of a row
+
+  // scores[i, t] = q_i . k_t, 16 tokens of one KV head at a time, their 16 dot products reduced together. With
+  // AVX512-BF16, bfloat16 keys are multiplied as they are stored (products exact, pairs summed in float32) and the
+  // scale applied after; otherwise the keys are converted to float32 once into a tile every query head reads.
+  void scores_of(int64_t h0, int64_t h1, const int64_t* pages, int64_t n, [[maybe_unused]] const T* qb,
+                 const float* qf, float* scores, int64_t stride) const {
+    alignas(64) float tile[16 * D];
+#if defined(__AVX512BF16__)
+    constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
+#else
+    constexpr bool kPairs = false;
+#endif
+    for (int64_t t0 = 0, p = 0; t0 < n; t0 += bs, ++p) {
+      const T* page = k_cache + pages[p] * bs * Hkv * D;
+      if (t0 + bs < n) prefetch_page(k_cache + pages[p + 1] * bs * Hkv * D);
+      for (int64_t c0 = t0, last = std::min(t0 + bs, n); c0 < last; c0 += 16) {
+        const int64_t m = std::min<int64_t>(16, last - c0);
+        for (int64_t h = h0; h < h1; ++h) {
+          const T* rows = page + (c0 - t0) * Hkv * D + h * D;
+          if constexpr (!kPairs) {
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t j = 0; j < kV; ++j)
+                _mm512_store_ps(tile + i * D + 16 * j, load16(rows + i * Hkv * D + 16 * j));
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t head = (h - h0) * G + g;
+            __m512 dots[16];
+#if defined(__AVX512BF16__)
+            if constexpr (kPairs) {
+              const T* qh = qb + head * D;
+              __m512bh qv[D / 32];
+              for (int64_t j = 0; j < D / 32; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qh + 32 * j);
+              for (int64_t i = 0; i < m; ++i) {
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t j = 0; j < D / 32; ++j)
+                  sum = _mm512_dpbf16_ps(sum, qv[j], (__m512bh)_mm512_loadu_si512(rows + i * Hkv * D + 32 * j));
+                dots[i] = sum;
+              }
+            }
+#endif
+            if constexpr (!kPairs) {
+              __m512 qv[kV];
+              for (int64_t j = 0; j < kV; ++j) qv[j] = _mm512_loadu_ps(qf + head * D + 16 * j);
+              for (int64_t i = 0; i < m; ++i) {
+                __m512 sum = _mm512_mul_ps(qv[0], _mm512_load_ps(tile + i * D));
+                for (int64_t j = 1; j < kV; ++j)
+                  sum = _mm512_fmadd_ps(qv[j], _mm512_load_ps(tile + i * D + 16 * j), sum);
+                dots[i] = sum;
+              }
+            }
+            for (int64_t i = m; i < 16; ++i) dots[i] = _mm512_setzero_ps();
+            __m512 sums = sum_lanes16(dots);
+            if constexpr (kPairs) sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
+            _mm512_storeu_ps(scores + head * stride + c0, sums);
+          }
+        }
+      }
+    }
+  }
+
+  // The next page's cache lines: pages are scattered, so the hardware prefetcher cannot see them coming.
+  void prefetch_page(const T* page) const {
+    const char* bytes = reinterpret_cast<const char*>(page);
+    for (int64_t off = 0; off < bs * Hkv * D * static_cast<int64_t>(sizeof(T)); off += 64)
+      _mm_prefetch(bytes + off, _MM_HINT_T0);
+  }
+
+  // acc[i] = sum_t w[i, t] v_t, the values of 16 tokens of one KV head converted once, as the keys above.
+  void values_of(int64_t h0, int64_t h1, const int64_t* pages, int64_t n, const float* w, int64_t stride,
+                 float* acc) const {
+    alignas(64) float tile[16 * D];
+    for (int64_t t0 = 0, p = 0; t0 < n; t0 += bs, ++p) {
+      const T* page = v_cache + pages[p] * bs * Hkv * D;
+      if (t0 + bs < n) prefetch_page(v_cache + pages[p + 1] * bs * Hkv * D);
+      for (int64_t c0 = t0, last = std::min(t0 + bs, n); c0 < last; c0 += 16) {
+        const int64_t m = std::min<int64_t>(16, last - c0);
+        for (int64_t h = h0; h < h1; ++h) {
+          for (int64_t i = 0; i < m; ++i) {
+            const T* row = page + (c0 - t0 + i) * Hkv * D + h * D;
+            for (int64_t j = 0; j < kV; ++j) _mm512_store_ps(tile + i * D + 16 * j, load16(row + 16 * j));
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t head = (h - h0) * G + g;
+            __m512 a[kV];
+            for (int64_t j = 0; j < kV; ++j) a[j] = _mm512_loadu_ps(acc + head * D + 16 * j);
+            for (int64_t i = 0; i < m; ++i) {
+              const __m512 wi = _mm512_set1_ps(w[head * stride + c0 + i]);
+              for (int64_t j = 0; j < kV; ++j) a[j] = _mm512_fmadd_ps(wi, _mm512_load_ps(tile + i * D + 16 * j), a[j]);
+            }
+            for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(acc + head * D + 16 * j, a[j]);
+          }
+        }
+      }
+    }
+  }
+#else
+  void scores_of(int64_t h0, int64_t h1, const int64_t* pages, int64_t n, [[maybe_unused]] const T* qb,
+                 const float* qf, float* scores, int64_t stride) const {
+    alignas(64) float row[D];
+    for (int64_t t0 = 0, p = 0; t0 < n; t0 += bs, ++p) {
+      const T* k = k_cache + pages[p] * bs * Hkv * D + h0 * D;
+      for (int64_t t = t0, last = std::min(t0 + bs, n); t < last; ++t, k += Hkv * D)
+        for (int64_t h = 0; h < h1 - h0; ++h) {
+          for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(k[h * D + d]);
+          for (int64_t g = 0; g < G; ++g) scores[(h * G + g) * stride + t] = dot<D>(qf + (h * G + g) * D, row);
+        }
+    }
+  }
+
+  void values_of(int64_t h0, int64_t h1, const int64_t* pages, int64_t n, const float* w, int64_t stride,
+                 float* acc) const {
+    alignas(64) float row[D];
+    for (int64_t t0 = 0, p = 0; t0 < n; t0 += bs, ++p) {
+      const T* v = v_cache + pages[p] * bs * Hkv * D + h0 * D;
+      for (int64_t t = t0, last = std::min(t0 + bs, n); t < last; ++t, v += Hkv * D)
+        for (int64_t h = 0; h < h1 - h0; ++h) {
+          for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(v[h * D + d]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float wt = w[(h * G + g) * stride + t];
+            float* a = acc + (h * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) a[d] += wt * row[d];
+          }
+        }
+    }
+  }
+#endif
 };
 
 // Work items: whole sequences when there are enough of them to keep every thread busy, else each
