@@ -19,9 +19,10 @@ def test_the_cpu_kernel_builds_on_this_machine():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 1), (4, 4)])
-@pytest.mark.parametrize("head_dim,block", [(64, 4), (64, 16), (128, 16)])
+@pytest.mark.parametrize("head_dim,block", [(64, 4), (64, 16), (64, 48), (128, 16), (64, 128)])
 def test_the_cpu_kernel_matches_the_reference(dtype, num_heads, num_kv_heads, head_dim, block):
-    # A lone token, a full page, one token into a page, one short of a page, several pages.
+    # A lone token, a full page, one token into a page, one short of a page, several pages; pages of 48 and 128
+    # tokens are read 16 tokens at a time, the last run of each page short.
     lens = [1, block, block + 1, 3 * block - 1, 5 * block + 3]
     batch = make_paged_batch(lens, num_kv_heads, dtype, head_dim=head_dim, block=block)
     q = random_queries(len(lens), num_heads, dtype, head_dim=head_dim)
