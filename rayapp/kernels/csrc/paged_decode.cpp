@@ -133,55 +133,49 @@ struct Decode {
 #else
     constexpr bool kPairs = false;
 #endif
-    for (int64_t t0 = 0, p = 0; t0 < n; t0 += bs, ++p) {
-      const T* page = k_cache + pages[p] * bs * Hkv * D;
-      if (t0 + bs < n) prefetch_page(k_cache + pages[p + 1] * bs * Hkv * D);
-      for (int64_t c0 = t0, last = std::min(t0 + bs, n); c0 < last; c0 += 16) {
-        const int64_t m = std::min<int64_t>(16, last - c0);
-        for (int64_t h = h0; h < h1; ++h) {
-          const T* rows = page + (c0 - t0) * Hkv * D + h * D;
-          if constexpr (!kPairs) {
-            for (int64_t i = 0; i < m; ++i)
-              for (int64_t j = 0; j < kV; ++j)
-                _mm512_store_ps(tile + i * D + 16 * j, load16(rows + i * Hkv * D + 16 * j));
-          }
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t head = (h - h0) * G + g;
-            __m512 dots[16];
+    for_each_run(k_cache, h0, h1, pages, n, [&](const T* rows, int64_t h, int64_t c0, int64_t m) {
+      if constexpr (!kPairs) to_tile(rows, m, tile);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t head = (h - h0) * G + g;
+        __m512 dots[16];
 #if defined(__AVX512BF16__)
-            if constexpr (kPairs) {
-              const T* qh = qb + head * D;
-              __m512bh qv[D / 32];
-              for (int64_t j = 0; j < D / 32; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qh + 32 * j);
-              for (int64_t i = 0; i < m; ++i) {
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t j = 0; j < D / 32; ++j)
-                  sum = _mm512_dpbf16_ps(sum, qv[j], (__m512bh)_mm512_loadu_si512(rows + i * Hkv * D + 32 * j));
-                dots[i] = sum;
-              }
-            }
-#endif
-            if constexpr (!kPairs) {
-              __m512 qv[kV];
-              for (int64_t j = 0; j < kV; ++j) qv[j] = _mm512_loadu_ps(qf + head * D + 16 * j);
-              for (int64_t i = 0; i < m; ++i) {
-                __m512 sum = _mm512_mul_ps(qv[0], _mm512_load_ps(tile + i * D));
-                for (int64_t j = 1; j < kV; ++j)
-                  sum = _mm512_fmadd_ps(qv[j], _mm512_load_ps(tile + i * D + 16 * j), sum);
-                dots[i] = sum;
-              }
-            }
-            for (int64_t i = m; i < 16; ++i) dots[i] = _mm512_setzero_ps();
-            __m512 sums = sum_lanes16(dots);
-            if constexpr (kPairs) sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
-            _mm512_storeu_ps(scores + head * stride + c0, sums);
+        if constexpr (kPairs) {
+          const T* qh = qb + head * D;
+          __m512bh qv[D / 32];
+          for (int64_t j = 0; j < D / 32; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qh + 32 * j);
+          for (int64_t i = 0; i < m; ++i) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < D / 32; ++j)
+              sum = _mm512_dpbf16_ps(sum, qv[j], (__m512bh)_mm512_loadu_si512(rows + i * Hkv * D + 32 * j));
+            dots[i] = sum;
           }
         }
+#endif
+        if constexpr (!kPairs) {
+          __m512 qv[kV];
+          for (int64_t j = 0; j < kV; ++j) qv[j] = _mm512_loadu_ps(qf + head * D + 16 * j);
+          for (int64_t i = 0; i < m; ++i) {
+            __m512 sum = _mm512_mul_ps(qv[0], _mm512_load_ps(tile + i * D));
+            for (int64_t j = 1; j < kV; ++j)
+              sum = _mm512_fmadd_ps(qv[j], _mm512_load_ps(tile + i * D + 16 * j), sum);
+            dots[i] = sum;
+          }
+        }
+        for (int64_t i = m; i < 16; ++i) dots[i] = _mm512_setzero_ps();
+        __m512 sums = sum_lanes16(dots);
+        if constexpr (kPairs) sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
+        _mm512_storeu_ps(scores + head * stride + c0, sums);
       }
-    }
+    });
   }
 
-  // The next page's cache lines: pages are scattered, so the hardware prefetcher cannot see them coming.
+  // m rows of one KV head (`rows`: the first; the next a token further) as float32, row i at tile + i * D.
+  void to_tile(const T* rows, int64_t m, float* tile) const {
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < kV; ++j) _mm512_store_ps(tile + i * D + 16 * j, load16(rows + i * Hkv * D + 16 * j));
+  }
+
+  // The page's cache lines, ahead of their use.
   void prefetch_page(const T* page) const {
     const char* bytes = reinterpret_cast<const char*>(page);
     for (int64_t off = 0; off < bs * Hkv * D * static_cast<int64_t>(sizeof(T)); off += 64)
@@ -192,28 +186,32 @@ struct Decode {
   void values_of(int64_t h0, int64_t h1, const int64_t* pages, int64_t n, const float* w, int64_t stride,
                  float* acc) const {
     alignas(64) float tile[16 * D];
-    for (int64_t t0 = 0, p = 0; t0 < n; t0 += bs, ++p) {
-      const T* page = v_cache + pages[p] * bs * Hkv * D;
-      if (t0 + bs < n) prefetch_page(v_cache + pages[p + 1] * bs * Hkv * D);
-      for (int64_t c0 = t0, last = std::min(t0 + bs, n); c0 < last; c0 += 16) {
-        const int64_t m = std::min<int64_t>(16, last - c0);
-        for (int64_t h = h0; h < h1; ++h) {
-          for (int64_t i = 0; i < m; ++i) {
-            const T* row = page + (c0 - t0 + i) * Hkv * D + h * D;
-            for (int64_t j = 0; j < kV; ++j) _mm512_store_ps(tile + i * D + 16 * j, load16(row + 16 * j));
-          }
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t head = (h - h0) * G + g;
-            __m512 a[kV];
-            for (int64_t j = 0; j < kV; ++j) a[j] = _mm512_loadu_ps(acc + head * D + 16 * j);
-            for (int64_t i = 0; i < m; ++i) {
-              const __m512 wi = _mm512_set1_ps(w[head * stride + c0 + i]);
-              for (int64_t j = 0; j < kV; ++j) a[j] = _mm512_fmadd_ps(wi, _mm512_load_ps(tile + i * D + 16 * j), a[j]);
-            }
-            for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(acc + head * D + 16 * j, a[j]);
-          }
+    for_each_run(v_cache, h0, h1, pages, n, [&](const T* rows, int64_t h, int64_t c0, int64_t m) {
+      to_tile(rows, m, tile);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t head = (h - h0) * G + g;
+        __m512 a[kV];
+        for (int64_t j = 0; j < kV; ++j) a[j] = _mm512_loadu_ps(acc + head * D + 16 * j);
+        for (int64_t i = 0; i < m; ++i) {
+          const __m512 wi = _mm512_set1_ps(w[head * stride + c0 + i]);
+          for (int64_t j = 0; j < kV; ++j) a[j] = _mm512_fmadd_ps(wi, _mm512_load_ps(tile + i * D + 16 * j), a[j]);
         }
+        for (int64_t j = 0; j < kV; ++j) _mm512_storeu_ps(acc + head * D + 16 * j, a[j]);
       }
+    });
+  }
+
+  // f(rows, h, c0, m) for each run of up to 16 tokens [c0, c0 + m) within a page, and each KV head h in [h0, h1):
+  // `rows` is token c0's row of head h in `cache`, the next token's a row further. Pages in order, each page's
+  // successor prefetched (pages are scattered, so the hardware prefetcher cannot see them coming).
+  template <typename F>
+  void for_each_run(const T* cache, int64_t h0, int64_t h1, const int64_t* pages, int64_t n, F&& f) const {
+    for (int64_t t0 = 0, p = 0; t0 < n; t0 += bs, ++p) {
+      const T* page = cache + pages[p] * bs * Hkv * D;
+      if (t0 + bs < n) prefetch_page(cache + pages[p + 1] * bs * Hkv * D);
+      for (int64_t c0 = t0, last = std::min(t0 + bs, n); c0 < last; c0 += 16)
+        for (int64_t h = h0; h < h1; ++h)
+          f(page + (c0 - t0) * Hkv * D + h * D, h, c0, std::min<int64_t>(16, last - c0));
     }
   }
 #else
