@@ -25,7 +25,7 @@ ENGINE_COUNTERS = {
     "generation_tokens": "Tokens generated",
     "num_preemptions": "Sequences preempted (recomputed later) because KV pages ran out",
     "kv_events_lost_batches": "vLLM KV event batches the router's feed missed (the replica's entries were dropped)",
-    # rayapp's engine only (its step loop runs in the replica's process).
+    # rayapp's engine only (its step loop, in the replica's engine process).
     "engine_steps": "Steps rayapp's engine ran",
     "engine_step_seconds": "Wall time inside rayapp's engine steps",
     "engine_step_cpu_seconds": "CPU time of the engine's step thread inside its steps (torch's intra-op threads not "

@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 class LLMReplica:
     """Serve deployment body (decorated in the builder, so tests can bind a fake backend class).
 
-    The engine computes off this replica's event loop (rayapp's on its own thread, vLLM's in its
-    engine-core process), so the loop stays free to accept requests and stream outputs.
+    The engine computes in a process of its own (rayapp's `EngineProcess`, vLLM's engine core), so
+    this replica's event loop stays free to accept requests and stream outputs, and shares no GIL
+    with the steps.
     """
 
     def __init__(self, app_config: dict[str, Any], backend_cls: type | None = None) -> None:

@@ -1,6 +1,6 @@
 """rayapp's engine in a child process of its own, as vLLM runs its EngineCore: the step loop shares no GIL.
 
-Served in the replica's process, the step loop lost ~15% of every step waiting for the GIL behind
+Served in the replica's process, the step loop lost ~13% of every step waiting for the GIL behind
 the replica's other Python threads (Ray Serve's per-token serialization and event loops), and ran
 slower on the CPU it got. Here the child owns the `LLMEngine` and its `EngineLoop`; the parent
 keeps only pipes and streams.

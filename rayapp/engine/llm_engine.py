@@ -31,7 +31,7 @@ class LLMEngine:
     """Continuous-batching engine over a paged, prefix-shared KV cache.
 
     `step()` fits on a screen: schedule, run the model, append the sampled tokens, retire the
-    finished. It is not thread-safe; `AsyncLLMEngine` drives it from one thread.
+    finished. It is not thread-safe; `EngineLoop` drives it from one thread.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -67,7 +67,7 @@ class LLMEngine:
         self._num_preemptions = 0
         # Set by `attach_tier`: the cluster KV tier, given by the caller (the engine does not import Ray).
         self.kv_transfer: KVTransfer | None = None
-        # Set by a driver that fetches off the engine thread (`AsyncLLMEngine`): called with a parked preempted
+        # Set by a driver that fetches off the engine thread (`EngineLoop`): called with a parked preempted
         # request (`_park_for_tier`), which it hands back with `requeue`. Unset (the offline `LLM`), preempted
         # requests recompute what the local cache lost.
         self.fetch_parked: Callable[[Request, TierPlan], None] | None = None
