@@ -543,6 +543,9 @@ def _engine_processes(engine: str) -> list:
             return "EngineCore" in " ".join(p.info["cmdline"] or [p.info["name"] or ""])
         return p.info["name"] == PROCESS_NAME
 
+    # psutil caches a Process per PID across calls and skips (once) one whose PID was reused since: after the PIDs
+    # wrap, as on a long CI run, the engine core could be missed.
+    psutil.process_iter.cache_clear()
     return [p for p in psutil.process_iter(["name", "cmdline", "ppid"]) if named(p) and p.info["ppid"] != os.getpid()]
 
 

@@ -189,6 +189,7 @@ def test_an_engine_whose_pages_the_tier_cannot_read_serves_without_it(tier):
 
 def _postgres_processes(dsn: str) -> list[psutil.Process]:
     port = int(dict(part.split("=", 1) for part in dsn.split())["port"])
+    psutil.process_iter.cache_clear()  # a cached Process whose PID was reused since is skipped once
     for proc in psutil.process_iter(["name", "cmdline"]):
         if proc.info["name"] == "postgres" and f"{port}" in " ".join(proc.info["cmdline"] or []):
             return [proc, *proc.children(recursive=True)]
