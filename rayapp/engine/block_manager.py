@@ -109,12 +109,16 @@ class BlockManager:
         computed to get logits). A hit
         requires the stored token ids and parent hash to equal the sequence's, so a colliding hash
         alone never serves another block's KV. Empty when prefix caching is off or `seq` holds pages.
-        Fills `seq.block_hashes` for the prompt's full blocks."""
+        Fills `seq.block_hashes` for the prompt's full blocks. Pages of `seq.host_pages` (K/V in the sparse
+        host pool) match as `OFFLOADED` once every page before them matched."""
         if not self.enable_prefix_caching or seq.block_table:
             return PrefixMatch()
         hashes = self._hash_full_blocks(seq)
         page_ids: list[int] = []
         for i in range((seq.num_tokens - max(1, seq.min_recompute_tokens)) // self.block_size):
+            if i in seq.host_pages:
+                page_ids.append(OFFLOADED)
+                continue
             page = self._cached.get(hashes[i])
             if page is None or not self._holds_block(page, seq, i):
                 break
@@ -176,13 +180,14 @@ class BlockManager:
         else:
             self._check_prefix(seq, prefix)
             num_computed, num_have = prefix.num_tokens, len(prefix.page_ids)
-            num_reviving = sum(1 for pid in prefix.page_ids if self._pages[pid].ref_count == 0)
+            num_reviving = sum(1 for pid in prefix.page_ids if pid != OFFLOADED and self._pages[pid].ref_count == 0)
         num_needed = max(0, -(-(num_computed + num_new_tokens) // self.block_size) - num_have)
         if num_needed > len(self._free) - num_reviving:
             return False
         if prefix is not None:
             for pid in prefix.page_ids:
-                self._take_ref(self._pages[pid])
+                if pid != OFFLOADED:
+                    self._take_ref(self._pages[pid])
             seq.block_table = list(prefix.page_ids)
             seq.num_computed_tokens = seq.num_cached_tokens = prefix.num_tokens
             self._num_handled_blocks[seq.seq_id] = len(prefix.page_ids)
@@ -341,7 +346,8 @@ class BlockManager:
         if seq.block_table:
             raise RuntimeError(f"allocate with a prefix is for admission, but {seq.seq_id} already holds pages")
         stale = prefix.num_tokens != len(prefix.page_ids) * self.block_size or any(
-            i >= len(seq.block_hashes) or self._pages[pid].block_hash != seq.block_hashes[i]
+            i >= len(seq.block_hashes)
+            or (self._pages[pid].block_hash != seq.block_hashes[i] if pid != OFFLOADED else i not in seq.host_pages)
             for i, pid in enumerate(prefix.page_ids)
         )
         if stale:

@@ -109,7 +109,9 @@ class KVTransfer:
 
         Returns the prompt token range `[start, end)` they cover. Stops at a block whose shape or dtype
         differ from this engine's pages (another dtype's K/V would change the output) or that is no
-        longer the one `seq` needs; installs nothing when the local cache changed since `plan`.
+        longer the one `seq` needs; installs nothing when the local cache changed since `plan`. The middle
+        of a prompt that sparse retrieval offloads goes straight to the host pool (`SparseKV.host_range`):
+        only its init and window pages take device pages.
         """
         bs, start = self.block_size, plan.local_blocks
         local = self.block_manager.match_prefix(seq)
@@ -124,18 +126,33 @@ class KVTransfer:
                 break
             usable.append(block)
         parent = seq.block_hashes[start - 1] if start else None
+        sparse = self.runner.sparse
+        host = range(0) if sparse is None else sparse.host_range(seq, start, len(usable))
+        head = self._adopt(usable[: host.start - start] if host else usable, parent, local.page_ids)
+        if not host or len(head) < host.start - start:
+            return (start * bs, (start + len(head)) * bs)
+        middle = usable[host.start - start : host.stop - start]
+        if not sparse.resume_to_host(seq, host, middle):
+            return (start * bs, (start + len(head)) * bs)
+        tail = self._adopt(usable[host.stop - start :], middle[-1].block_hash, (*local.page_ids, *head))
+        return (start * bs, (host.stop + len(tail)) * bs)
+
+    def _adopt(self, blocks: list[TierBlock], parent: BlockHash | None, keep: tuple[int, ...]) -> tuple[int, ...]:
+        """Cached pages for the chain `blocks` (after `parent`), their K/V written in; as many as fit."""
+        if not blocks:
+            return ()
         page_ids = self.block_manager.adopt_cached_blocks(
-            [b.block_hash for b in usable], parent, [b.token_ids for b in usable], keep=local.page_ids
+            [b.block_hash for b in blocks], parent, [b.token_ids for b in blocks], keep=keep
         )
         if page_ids:
-            n = len(page_ids)
+            n, k_pool = len(page_ids), self.runner.k_cache
             pages = torch.tensor(page_ids, device=k_pool.device)
             # [L, n, bs, Hkv, D] scattered into the pool's page dimension, all layers at once.
-            key = torch.stack([b.key for b in usable[:n]], dim=1).to(k_pool.device)
-            value = torch.stack([b.value for b in usable[:n]], dim=1).to(k_pool.device)
+            key = torch.stack([b.key for b in blocks[:n]], dim=1).to(k_pool.device)
+            value = torch.stack([b.value for b in blocks[:n]], dim=1).to(k_pool.device)
             k_pool.index_copy_(1, pages, key)
             self.runner.v_cache.index_copy_(1, pages, value)
-        return (start * bs, (start + len(page_ids)) * bs)
+        return tuple(page_ids)
 
     def take_events(self) -> list[BlockStored | BlockRemoved]:
         """Blocks written to or gone from the tier since the last call (for the prefix router)."""

@@ -44,6 +44,8 @@ class AttentionMetadata:
     prefill_context_lens: Tensor  # [Bp]
     sparse_plan: DecodePlan | None = None  # set when some decode rows attend sparsely
     sparse_capture: QueryCapture | None = None  # prefill queries kept to score retrieval blocks
+    # Prefill rows whose middle is in the sparse host pool: row -> (first page, host block ids).
+    prefill_host: dict[int, tuple[int, Tensor]] | None = None
     layerwise: LayerwisePlan | None = None  # set when rows are compacted or prefill rows score their prompt
 
 
@@ -77,9 +79,14 @@ class PagedAttention:
             self.sparse.capture(layer, q[nd:], m.sparse_capture)
         if nd == q.shape[0]:
             return self._decode(layer, q, kc, vc)
+        host = None
+        if m.prefill_host is not None:
+            assert self.sparse is not None
+            host = self.sparse.host_pages_kv(layer, m.prefill_host)
         prefill = paged_prefill_attention(
-            q[nd:], kc, vc, m.prefill_page_table, m.prefill_query_start_loc, m.prefill_context_lens, self.scale
-        )
+            q[nd:], kc, vc, m.prefill_page_table, m.prefill_query_start_loc, m.prefill_context_lens, self.scale,
+            host_pages=host,
+        )  # fmt: skip
         if lw is not None and lw.capture is not None and self.layerwise is not None and layer >= self.layerwise.Lf:
             self.layerwise.capture(layer, q[nd:], kc, vc, prefill, lw.capture, self.scale)
         if nd == 0:
@@ -237,6 +244,7 @@ class ModelRunner:
             meta.sparse_plan = self.sparse.plan([batch.seqs[i] for i in shared], tables[self._tensor(shared)])
         if self.sparse is not None and nd < len(batch.seqs):
             meta.sparse_capture = self.sparse.plan_capture(batch.seqs[nd:], starts[nd:], batch.num_new_tokens[nd:])
+            meta.prefill_host = self.sparse.plan_prefill_host(batch.seqs[nd:])
         if self.layerwise is not None:
             meta.layerwise = self.layerwise.plan(batch.seqs, nd, starts, batch.num_new_tokens, tables, slots)
         return self._tensor(ids), positions, meta, sample_rows, sample_seqs

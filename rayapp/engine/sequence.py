@@ -64,6 +64,9 @@ class Sequence:
         # Set while layer-wise compression holds this sequence's KV in per-layer tables
         # (`LayerwiseKV`): `block_table` then lists the pages those tables carve up, not token pages.
         self.compacted = False
+        # Table indices of prompt pages whose K/V a tier load put straight into the sparse host pool (a long
+        # history resumed with offload on): admission maps them to `OFFLOADED` instead of device pages.
+        self.host_pages = range(0)
 
     @property
     def num_tokens(self) -> int:

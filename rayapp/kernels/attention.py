@@ -99,6 +99,7 @@ def paged_prefill_attention(
     context_lens: Tensor,
     scale: float,
     return_lse: bool = False,
+    host_pages: dict[int, tuple[int, Tensor, Tensor]] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal attention for a chunk of new tokens from S sequences, each after its cached prefix.
 
@@ -107,7 +108,8 @@ def paged_prefill_attention(
     Query ``i`` of sequence ``s`` sits at position ``context_lens[s] - q_len[s] + i`` and sees
     keys at positions up to its own. Returns out [T, Hq, D] in q.dtype, and with
     ``return_lse=True`` also lse [T, Hq] float32: the natural-log log-sum-exp of the scaled
-    scores over the keys each query sees.
+    scores over the keys each query sees. ``host_pages[s] = (first, k, v)``: sequence ``s``'s pages from
+    ``first`` on are not in the cache (their table entries are -1) but given, as k, v [n, bs, Hkv, D].
     """
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
@@ -128,9 +130,15 @@ def paged_prefill_attention(
         if q1 == q0:
             continue
         pages = page_table[s, : -(-ctx // bs)]
-        # k, v: [ctx, Hkv, D]
-        k = k_cache.index_select(0, pages).view(-1, Hkv, D)[:ctx]
-        v = v_cache.index_select(0, pages).view(-1, Hkv, D)[:ctx]
+        given = None if host_pages is None else host_pages.get(s)
+        # k, v: [pages, bs, Hkv, D], then [ctx, Hkv, D]
+        k = k_cache.index_select(0, pages if given is None else pages.clamp(min=0))
+        v = v_cache.index_select(0, pages if given is None else pages.clamp(min=0))
+        if given is not None:
+            first, host_k, host_v = given
+            k[first : first + host_k.shape[0]] = host_k
+            v[first : first + host_v.shape[0]] = host_v
+        k, v = k.view(-1, Hkv, D)[:ctx], v.view(-1, Hkv, D)[:ctx]
         if lse is None:
             _prefill_sdpa(q[q0:q1], k, v, scale, out[q0:q1])
         else:

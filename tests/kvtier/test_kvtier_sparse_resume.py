@@ -1,0 +1,84 @@
+"""A long history resumed from the cluster tier by an engine whose sparse retrieval offloads: its middle goes
+straight to the host pool, the device holds only the init pages and the window, and the answer is the one
+a local sparse run of the same history gives.
+
+Real embedded PostgreSQL and store actor, the shipped SmolLM2 in float32, SmolLM2's 8K context scaled down
+from the 32K / 64K sparse defaults.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from rayapp import LLM, SamplingParams
+from rayapp.engine.block_manager import OFFLOADED
+from rayapp.kvtier.embedded import stop_embedded_database
+from rayapp.sparse.evaluation import needle_case
+
+SPARSE = dict(
+    enabled=True,
+    init_tokens=64,
+    local_tokens=512,
+    retrieval_block_size=64,
+    dense_boundary=1024,
+    offload_boundary=2048,
+    device_cache_blocks=96,
+    scoring_queries=4,
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def tier_options(tmp_path_factory):
+    ray.init(address="local", num_cpus=2, object_store_memory=400 << 20, include_dashboard=False)
+    yield {"enabled": True, "data_dir": str(tmp_path_factory.mktemp("kvtier-sparse") / "db")}
+    stop_embedded_database()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def history(tokenizer) -> list[int]:
+    return needle_case(tokenizer, 4200, 0.4, seed=7).prompt_token_ids
+
+
+def test_a_resumed_offload_history_keeps_its_middle_in_host_memory_and_answers_as_a_local_run(tier_options, history):
+    writer = LLM(dtype="float32", sparse=SPARSE, kvtier=tier_options)
+    local = writer.generate(prompt_token_ids=history, sampling_params=GREEDY)[0].outputs[0].token_ids
+    assert writer.stats()["sparse_seqs_offload"] == 1
+    writer.tier.flush()
+    writer.close()
+
+    llm = LLM(dtype="float32", sparse=SPARSE, kvtier=tier_options)
+    engine = llm.engine
+    request = engine.prepare_request("resumed", prompt_token_ids=history, params=GREEDY)
+    engine.load_from_tier(request)
+    seq = request.seq
+    policy = engine.sparse.policy
+    middle = policy.num_middle_blocks(len(history) + 1)
+    host_pages = middle * policy.pages_per_block
+    assert middle > 40 and seq.host_pages == range(policy.init_pages, policy.init_pages + host_pages)
+    # Only the init pages and the window took device pages; the middle is in the host pool, represented.
+    stats = llm.stats()
+    assert stats["sparse_blocks_resumed_to_host"] == middle and stats["sparse_host_pages_held"] == host_pages
+    table_pages = -(-len(history) // policy.block_size)
+    assert stats["pages_cached"] <= table_pages - host_pages
+
+    engine.enqueue(request)
+    tokens: list[int] = []
+    while not seq.output_token_ids:  # admission and the prefill of the uncached tail
+        engine.step()
+    assert seq.block_table.count(OFFLOADED) == host_pages
+    stats = llm.stats()
+    assert stats["pages_used"] == len(seq.block_table) - host_pages
+    assert stats["sparse_blocks_offloaded"] == 0, "the middle never went through device pages"
+    assert stats["tier_loaded_tokens"] >= 0.9 * len(history)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+    assert tokens == local
+    stats = llm.stats()
+    assert stats["sparse_cache_misses"] > 0  # decode copied its selected middle blocks in from the host pool
+    assert stats["pages_used"] == 0 and stats["sparse_host_pages_held"] == 0
+    engine.block_manager.check_invariants()
+    llm.close()
