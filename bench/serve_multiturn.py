@@ -27,7 +27,9 @@ last content chunk) / (completion tokens - 1), because Ray Serve LLM sends chunk
 sharing nothing with the workload) on an idle host; the cached prompt share
 (`usage.prompt_tokens_details.cached_tokens` / prompt tokens); and the delivered hit share over turns 2..T:
 cached tokens / reusable tokens, a turn's reusable tokens being the previous turn's prompt rounded down to the
-server's pages (what that turn left cached where it ran).
+server's pages (what that turn left cached where it ran). While each server is under load, the CPU seconds its
+processes spend, summed by process name (where the host's two cores went). `--no-kvtier` runs rayapp's systems
+with the cluster tier off (rayapp.config.yaml has it on), to measure what the tier costs.
 Then the ratios of each rayapp system to the anchor. Each phase (start, warm-up, load) is bounded by
 `--phase-timeout`, and each server is stopped whatever happens: SIGINT, then SIGTERM/SIGKILL to every process it
 started, found by a tag in their environment (never `ray stop --force`, which kills every Ray cluster on the host).
@@ -393,28 +395,33 @@ class ServerSpec:
     env: dict[str, str]
 
 
-def _config(name: str, workload: Workload) -> dict:
-    """rayapp.config.yaml with the engine of system `name` and the replicas of `workload`."""
+def _config(name: str, workload: Workload, kvtier: bool = True) -> dict:
+    """rayapp.config.yaml with the engine of system `name` and the replicas of `workload` (and the cluster tier
+    off unless `kvtier`)."""
     import yaml  # a Ray dependency, present wherever rayapp is installed
 
     config = yaml.safe_load((REPO / "rayapp.config.yaml").read_text())
     args = config["applications"][0]["args"]
     args["engine"] = "vllm" if name == "rayapp-vllm" else "rayapp"
+    if not kvtier:
+        args["kvtier"] = {"enabled": False}
     args["replicas"] = workload.replicas
     args["num_cpus"] = 1 / workload.replicas
     return config
 
 
-def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload, haproxy: bool) -> ServerSpec:
-    """`serve run` on a copy of rayapp.config.yaml that differs only in the HTTP port, the engine and the replicas."""
+def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload, args: argparse.Namespace) -> ServerSpec:
+    """`serve run` on a copy of rayapp.config.yaml that differs only in the HTTP port, the engine and the replicas
+    (and the cluster tier, with `--no-kvtier`)."""
     import yaml
 
-    config = _config(name, workload)
+    config = _config(name, workload, args.kvtier)
     config["http_options"]["port"] = port
     config_path = work_dir / f"{name}-{workload.name}.config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     command = [str(RAYAPP_VENV / "bin/serve"), "run", str(config_path)]
-    return ServerSpec(name, command, REPO, RAYAPP_VENV, port, {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if haproxy else {})
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if args.haproxy else {}
+    return ServerSpec(name, command, REPO, RAYAPP_VENV, port, env)
 
 
 def _anchor_spec(port: int, args: argparse.Namespace, work_dir: Path, workload: Workload) -> ServerSpec:
@@ -443,6 +450,27 @@ def _tagged(tag: str) -> set[int]:
         if state != "Z" and needle in environ.split(b"\0"):
             found.add(int(entry))
     return found
+
+
+def _cpu_seconds(tag: str) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of each process carrying `tag`, with its name (`comm`)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in _tagged(tag):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            out[pid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _cpu_breakdown(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> str:
+    """CPU seconds spent between two `_cpu_seconds`, summed by process name, largest first."""
+    spent: dict[str, float] = {}
+    for pid, (name, seconds) in after.items():
+        spent[name] = spent.get(name, 0.0) + seconds - before.get(pid, (name, 0.0))[1]
+    top = sorted(spent.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name} {seconds:.1f}" for name, seconds in top if seconds >= 0.1)
 
 
 def _signal_all(pids: set[int], sig: signal.Signals) -> None:
@@ -498,7 +526,11 @@ def run_phase(spec: ServerSpec, workload: Workload, args: argparse.Namespace, wo
             asyncio.run(_wait_ready(base_url, args.model, deadline, server))
             print(f"[{spec.name} {workload.name}] ready after {time.monotonic() - started:.0f} s", flush=True)
             load = run_load(base_url, args.model, workload, PAGES[spec.name])
-            return asyncio.run(asyncio.wait_for(load, timeout=max(1.0, deadline - time.monotonic())))
+            cpu = _cpu_seconds(tag)
+            summary = asyncio.run(asyncio.wait_for(load, timeout=max(1.0, deadline - time.monotonic())))
+            # Where the host's CPU went while the server was under load (warm-up included), by process.
+            print(f"[{spec.name} {workload.name}] CPU s by process: {_cpu_breakdown(cpu, _cpu_seconds(tag))}")
+            return summary
         except BaseException:
             tail = log_path.read_bytes()[-4000:].decode(errors="replace")
             print(f"[{spec.name}] failed; last lines of {log_path}:\n{tail}", file=sys.stderr, flush=True)
@@ -508,12 +540,12 @@ def run_phase(spec: ServerSpec, workload: Workload, args: argparse.Namespace, wo
             print(f"[{spec.name} {workload.name}] stopped", flush=True)
 
 
-def _run_offline(workload: Workload) -> LoadSummary:
+def _run_offline(workload: Workload, kvtier: bool) -> LoadSummary:
     from offline_multiturn import run_offline  # imports rayapp's engine, which the other systems do not need
 
     _wait_idle()
     print(f"[rayapp-offline {workload.name}] running in this process", flush=True)
-    return run_offline(_config("rayapp-offline", workload)["applications"][0]["args"], workload)
+    return run_offline(_config("rayapp-offline", workload, kvtier)["applications"][0]["args"], workload)
 
 
 def _share(value: float | None) -> str:
@@ -574,6 +606,9 @@ def main() -> None:
         action="store_false",
         help="rayapp behind Serve's Python proxy instead of its HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1)",
     )
+    parser.add_argument(
+        "--no-kvtier", dest="kvtier", action="store_false", help="rayapp's systems with the cluster KV tier off"
+    )
     parser.add_argument("--port", type=int, default=8000, help="HTTP port the servers are started on, one at a time")
     parser.add_argument("--phase-timeout", type=float, default=900.0, help="seconds for start + warm-up + load")
     args = parser.parse_args()
@@ -597,12 +632,12 @@ def main() -> None:
                 continue  # one engine in this process: the 1-replica workloads only
             try:
                 if system == "rayapp-offline":
-                    summaries[system] = _run_offline(workload)
+                    summaries[system] = _run_offline(workload, args.kvtier)
                     continue
                 if system == "anchor":
                     spec = _anchor_spec(args.port, args, work_dir, workload)
                 else:
-                    spec = _rayapp_spec(system, args.port, work_dir, workload, args.haproxy)
+                    spec = _rayapp_spec(system, args.port, work_dir, workload, args)
                 summaries[system] = run_phase(spec, workload, args, work_dir)
             except Exception as error:  # reported with its log tail by run_phase; the other systems still run
                 print(f"[{system} {workload.name}] not measured: {type(error).__name__}: {error}", flush=True)

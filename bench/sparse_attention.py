@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/sparse_attention.py            # everything
     PYTHONPATH=. python bench/sparse_attention.py --only quality --cases 12
+    PYTHONPATH=. python bench/sparse_attention.py --only resume     # a 64K history resumed from the cluster tier
     PYTHONPATH=. python bench/sparse_attention.py --engine vllm --contexts 16384 32768   # the vLLM plugin
 
 Speed and memory use a random-weight model of SmolLM2-135M's shape (30 layers, 9 query / 3 KV
@@ -214,17 +215,85 @@ def run_speed(contexts: list[int], steps: int) -> None:
     PagedAttention.__call__ = original
 
 
+def run_resume(context: int, steps: int) -> None:
+    """Device KV of a `context`-token history resumed from the cluster tier: dense (every page on the device)
+    vs sparse retrieval with offload at its defaults (the middle goes to the host pool; the device holds the
+    init pages, the window and the selected blocks). The history's K/V is random: what is measured is where
+    it goes, not what the model answers."""
+    import ray
+
+    from rayapp.engine.sequence import Sequence
+    from rayapp.kvtier.embedded import stop_embedded_database
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    model, bf16 = str(long_model_dir(context + 64)), torch.bfloat16
+    common = dict(model=model, dtype="bfloat16", num_pages=context // 16 + 64, max_model_len=context + 64)
+    tier = {"enabled": True, "capacity_bytes": 8 << 30}
+    offload = SparseConfig(enabled=True)
+    tokens = torch.randint(100, 40000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    try:
+        writer = LLM(**common, kvtier=tier)
+        seq = Sequence("history", tokens, SamplingParams())
+        bm, runner = writer.engine.block_manager, writer.engine.runner
+        bm.allocate(seq, context, bm.match_prefix(seq))
+        pages = torch.tensor(seq.block_table)
+        for cache in (runner.k_cache, runner.v_cache):
+            cache[:, pages] = torch.randn(cache[:, pages].shape, dtype=torch.float32).to(bf16)
+        # Written through to the tier a run of pages at a time: its writer drops what is queued past 512 MiB.
+        for end in range(4096, context + 4096, 4096):
+            seq.num_computed_tokens = min(end, context)
+            bm.cache_full_blocks(seq)
+            writer.tier.flush()
+        bm.free(seq)
+        writer.close()
+        print(f"\n## A {context}-token history resumed from the cluster tier on a cold engine, bfloat16")
+        print("sparse: the defaults (init 1024, window 7192, retrieval block 128, top-k 0.2, offload above 64K)")
+        header = f"{'mode':>8} {'TTFT s':>8} {'peak device pages':>18}"
+        print(header + f" {'device KV MB':>13} {'dev/dense':>9} {'host MB':>8}")
+        dense_mb = 0.0
+        for mode, sparse in (("dense", None), ("offload", offload)):
+            llm = LLM(**common, kvtier=tier, **({} if sparse is None else {"sparse": sparse}))
+            engine = llm.engine
+            page_mb = engine.runner.page_bytes / 2**20
+            params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+            request = engine.prepare_request(f"resume-{mode}", prompt_token_ids=tokens, params=params)
+            t0 = time.perf_counter()
+            engine.load_from_tier(request)
+            peak = engine.stats()["pages_cached"]  # the loaded history, before admission
+            engine.enqueue(request)
+            while not request.seq.output_token_ids:
+                engine.step()
+            ttft = time.perf_counter() - t0
+            while engine.has_unfinished_requests():  # decode: the selection's blocks come in from the host
+                before = engine.stats()
+                engine.step()
+            stats = before  # the last decode step's: the request ended with it
+            device = stats["pages_used"]
+            if sparse is not None:  # the device block cache this sequence selects into (k blocks, every layer)
+                p = engine.sparse.policy
+                device += p.num_selected(p.num_middle_blocks(context)) * p.pages_per_block
+            mb = device * page_mb
+            dense_mb = dense_mb or mb
+            host = stats.get("sparse_host_pages_held", 0) * page_mb
+            print(f"{mode:>8} {ttft:>8.2f} {peak:>18} {mb:>13.1f} {mb / dense_mb:>9.2f} {host:>8.1f}")
+            llm.close()
+    finally:
+        stop_embedded_database()
+        ray.shutdown()
+
+
 def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=["speed", "quality"], default=None)
+    parser.add_argument("--only", choices=["speed", "quality", "resume"], default=None)
     parser.add_argument("--cases", type=int, default=12, help="needle cases (1K-6K tokens)")
     parser.add_argument("--topk", type=float, nargs="+", default=[0.2, 0.1, 0.05])
     parser.add_argument("--no-text", action="store_true", help="skip greedy agreement on natural text")
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    parser.add_argument("--resume-context", type=int, default=65600, help="history resumed from the tier (resume)")
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per setting (after one warm-up)")
     parser.add_argument(
         "--engine", choices=["rayapp", "vllm"], default="rayapp", help="vllm: the retrieval plugin vs stock vLLM"
@@ -246,6 +315,8 @@ def main() -> None:
         run_speed(args.contexts, args.steps)
     if args.only in (None, "quality"):
         run_quality(args.cases, quality_variants(tuple(args.topk)), with_text=not args.no_text)
+    if args.only in (None, "resume"):
+        run_resume(args.resume_context, args.steps)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -32,6 +33,9 @@ from rayapp.kernels.retrieval import (
 from rayapp.sparse.block_cache import DeviceBlockCache
 from rayapp.sparse.host_pool import HostBlockPool, copy_blocks_to_host
 from rayapp.sparse.policy import AttentionMode, RetrievalPolicy
+
+if TYPE_CHECKING:
+    from rayapp.engine.kv_transfer import TierBlock
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +191,7 @@ class SparseKV:
         return range(p.init_pages, p.init_pages + n * p.pages_per_block)
 
     @torch.inference_mode()
-    def resume_to_host(self, seq: Sequence, pages: range, blocks: list) -> bool:
+    def resume_to_host(self, seq: Sequence, pages: range, blocks: list[TierBlock]) -> bool:
         """Put the middle blocks `blocks` (tier blocks, one per page of `pages`, from `host_range`) in the host
         pool as `seq`'s offloaded middle and represent them there, so admission maps those pages to
         `OFFLOADED`; False (nothing changed) when the host pool is full."""
@@ -198,15 +202,17 @@ class SparseKV:
         except ValueError as error:
             logger.warning("history of %s loaded onto the device, not the host pool: %s", seq.seq_id, error)
             return False
-        # [L, n, rb, Hkv, D]: the blocks' pages in token order
-        key = torch.stack([b.key for b in blocks], dim=1).view(self.L, n, -1, self.Hkv, self.D)
-        value = torch.stack([b.value for b in blocks], dim=1).view(self.L, n, -1, self.Hkv, self.D)
+        # The pool as pages, [L, capacity * ppb, bs, Hkv, D]: each tier block is copied once, straight in.
+        bs = self.policy.block_size
+        k_pages, v_pages = (x.view(self.L, -1, bs, self.Hkv, self.D) for x in (self.pool.k, self.pool.v))
+        for j, block in enumerate(blocks):
+            page = ids[j // ppb] * ppb + j % ppb
+            k_pages[:, page] = block.key
+            v_pages[:, page] = block.value
         host = torch.tensor(ids, dtype=torch.int64)
-        self.pool.k.index_copy_(1, host, key.to(self.pool.dtype))
-        self.pool.v.index_copy_(1, host, value.to(self.pool.dtype))
         st = self.state(seq)
         if self.rep_rows:
-            keys = key.to(self.device).reshape(self.L * n, -1, self.Hkv, self.D)
+            keys = self.pool.k.index_select(1, host).to(self.device).flatten(0, 1)  # [L * n, rb, Hkv, D]
             reps = block_representation(keys, self.cfg.representation, self.cfg.representative_keys)
             self.reps[:, st.row, :n] = reps.view(self.L, n, self.Hkv, self.rep_rows, self.D)
         self.host_ids[st.row, :n] = host.to(self.device)
