@@ -166,6 +166,26 @@ def test_prefill_after_a_cached_prefix_matches_reference(dtype, num_heads, num_k
 
 
 @pytest.mark.parametrize("return_lse", [False, True])
+def test_prefill_over_pages_given_from_host_memory_equals_prefill_over_the_cache(return_lse):
+    # Sequence 1's pages 1-3 are not in the cache (-1 in its table) but handed over, as a resumed history's
+    # middle is from the sparse host pool; the cache slots they would have used hold poison.
+    q_lens, context_lens = [5, 3], [18, 21]
+    batch = make_paged_batch(context_lens, 2)
+    q = random_queries(sum(q_lens), 6, torch.float32)
+    args = (q, batch.k_cache, batch.v_cache, batch.page_table, cu_seqlens(q_lens), batch.context_lens, D**-0.5)
+    expected = paged_prefill_attention(*args, return_lse)
+    moved = batch.page_table[1, 1:4].clone()
+    host = {1: (1, batch.k_cache[moved].clone(), batch.v_cache[moved].clone())}
+    k_cache, v_cache, table = batch.k_cache.clone(), batch.v_cache.clone(), batch.page_table.clone()
+    k_cache[moved], v_cache[moved], table[1, 1:4] = POISON_K, POISON_V, -1
+
+    got = paged_prefill_attention(q, k_cache, v_cache, table, *args[4:], return_lse, host_pages=host)
+
+    for g, e in zip(got, expected) if return_lse else [(got, expected)]:
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
 def test_prefill_split_into_row_chunks_matches_reference(monkeypatch, return_lse):
     # 3-row chunks put chunk edges inside prefixes, pages and short sequences.
     monkeypatch.setattr(attention, "_rows_per_chunk", lambda num_heads, keys, preferred: 3)
