@@ -69,15 +69,11 @@ class EngineLoop:
                 self.engine.install_from_tier(request, plan, blocks)
                 self.engine.enqueue(request)
 
-        def fetch(plan: TierPlan | None) -> None:
-            try:
-                blocks = self.engine.fetch_from_tier(request, plan)
-            except Exception:  # the tier is a cache: the prompt is computed instead
-                logger.exception("fetching request %s's blocks from the cluster tier failed", request_id)
-                blocks = []
-            self.submit(lambda: install_and_enqueue(plan, blocks))
+        def plan_and_fetch() -> None:
+            plan = self.engine.plan_tier_load(request)
+            self._fetch_then(request, plan, lambda blocks: install_and_enqueue(plan, blocks))
 
-        self.submit(lambda: self._fetches.submit(fetch, self.engine.plan_tier_load(request)))
+        self.submit(plan_and_fetch)
 
     def abort(self, request_id: str) -> concurrent.futures.Future[None]:
         """Abort a request (any thread); the future is done once its pages are freed and its last output
@@ -124,16 +120,21 @@ class EngineLoop:
         self._fetches.shutdown(wait=False, cancel_futures=True)
 
     def _refetch(self, request: Request, plan: TierPlan) -> None:
-        """Loop thread: fetch a parked (preempted) request's blocks from the tier on a worker thread, then hand
-        it back to the engine with them."""
+        """Loop thread: fetch a parked (preempted) request's blocks from the tier, then hand it back to the engine
+        with them."""
+        self._fetch_then(request, plan, lambda blocks: self.engine.requeue(request, plan, blocks))
+
+    def _fetch_then(self, request: Request, plan: TierPlan | None, then: Callable[[list[TierBlock]], None]) -> None:
+        """Fetch `request`'s tier blocks for `plan` on a worker thread (none when that fails: the request
+        computes them instead), then call `then` with them on the loop thread."""
 
         def fetch() -> None:
             try:
                 blocks = self.engine.fetch_from_tier(request, plan)
-            except Exception:  # the tier is a cache: the request recomputes instead
-                logger.exception("fetching a preempted request's blocks from the cluster tier failed")
+            except Exception:  # the tier is a cache
+                logger.exception("fetching request %s's blocks from the cluster tier failed", request.seq.seq_id)
                 blocks = []
-            self.submit(lambda: self.engine.requeue(request, plan, blocks))
+            self.submit(lambda: then(blocks))
 
         self._fetches.submit(fetch)
 

@@ -234,6 +234,11 @@ class _Deltas:
         )  # fmt: skip
         return out.request_id, delta
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests an engine failure ended: no last output comes for them."""
+        for request_id in request_ids:
+            self._generated.pop(request_id, None)
+
 
 def _name_process(name: str) -> None:
     """Show `name` for this process in ps, top and psutil (Linux; elsewhere the name stays python's)."""
@@ -258,11 +263,12 @@ def _child_main(conn: Connection, config: EngineConfig, setup: Setup | None, num
         send(("failed", f"{type(error).__name__}: {error}"))
         return
     deltas = _Deltas()
-    loop = EngineLoop(
-        engine,
-        deliver=lambda outputs: send(("outputs", [deltas(out) for out in outputs])),
-        fail=lambda error, request_ids: send(("ended", str(error), request_ids)),
-    )
+
+    def end(error: BaseException, request_ids: list[str]) -> None:
+        deltas.forget(request_ids)
+        send(("ended", str(error), request_ids))
+
+    loop = EngineLoop(engine, deliver=lambda outputs: send(("outputs", [deltas(out) for out in outputs])), fail=end)
     flusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rayapp-engine-flush")
     calls: dict[str, Callable[..., concurrent.futures.Future[Any]]] = {
         "abort": loop.abort,
