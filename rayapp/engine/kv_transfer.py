@@ -127,12 +127,12 @@ class KVTransfer:
             usable.append(block)
         parent = seq.block_hashes[start - 1] if start else None
         sparse = self.runner.sparse
-        host = range(0) if sparse is None else sparse.host_range(seq, start, len(usable))
+        host = range(0) if sparse is None else sparse.resume.host_range(seq, start, len(usable))
         head = self._adopt(usable[: host.start - start] if host else usable, parent, local.page_ids)
         if not host or len(head) < host.start - start:
             return (start * bs, (start + len(head)) * bs)
         middle = usable[host.start - start : host.stop - start]
-        if not sparse.resume_to_host(seq, host, middle):
+        if not sparse.resume.resume_to_host(seq, host, middle):
             return (start * bs, (start + len(head)) * bs)
         tail = self._adopt(usable[host.stop - start :], middle[-1].block_hash, (*local.page_ids, *head))
         return (start * bs, (host.stop + len(tail)) * bs)

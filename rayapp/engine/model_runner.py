@@ -82,7 +82,7 @@ class PagedAttention:
         host = None
         if m.prefill_host is not None:
             assert self.sparse is not None
-            host = self.sparse.host_pages_kv(layer, m.prefill_host)
+            host = self.sparse.resume.host_pages_kv(layer, m.prefill_host)
         prefill = paged_prefill_attention(
             q[nd:], kc, vc, m.prefill_page_table, m.prefill_query_start_loc, m.prefill_context_lens, self.scale,
             host_pages=host,
@@ -244,7 +244,7 @@ class ModelRunner:
             meta.sparse_plan = self.sparse.plan([batch.seqs[i] for i in shared], tables[self._tensor(shared)])
         if self.sparse is not None and nd < len(batch.seqs):
             meta.sparse_capture = self.sparse.plan_capture(batch.seqs[nd:], starts[nd:], batch.num_new_tokens[nd:])
-            meta.prefill_host = self.sparse.plan_prefill_host(batch.seqs[nd:])
+            meta.prefill_host = self.sparse.resume.plan_prefill_host(batch.seqs[nd:])
         if self.layerwise is not None:
             meta.layerwise = self.layerwise.plan(batch.seqs, nd, starts, batch.num_new_tokens, tables, slots)
         return self._tensor(ids), positions, meta, sample_rows, sample_seqs

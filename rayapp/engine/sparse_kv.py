@@ -10,10 +10,8 @@ cache (offload mode), and attend over init + selected + window pages. Prefill st
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -21,6 +19,7 @@ from torch import Tensor
 from rayapp.config import EngineConfig
 from rayapp.engine.block_manager import OFFLOADED, BlockManager
 from rayapp.engine.sequence import Sequence
+from rayapp.engine.sparse_resume import HostResume
 from rayapp.kernels.attention import paged_decode_attention
 from rayapp.kernels.retrieval import (
     REPRESENTATIVE_ROWS,
@@ -33,11 +32,6 @@ from rayapp.kernels.retrieval import (
 from rayapp.sparse.block_cache import DeviceBlockCache
 from rayapp.sparse.host_pool import HostBlockPool, copy_blocks_to_host
 from rayapp.sparse.policy import AttentionMode, RetrievalPolicy
-
-if TYPE_CHECKING:
-    from rayapp.engine.kv_transfer import TierBlock
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,6 +127,7 @@ class SparseKV:
         self.counters = {f"sparse_seqs_{m.value}": 0 for m in AttentionMode}
         self.counters.update(sparse_selected_blocks=0, sparse_blocks_offloaded=0, sparse_blocks_resumed_to_host=0)
         self.last_step = {"sparse_selected_blocks_last_step": 0, "sparse_blocks_copied_last_step": 0}
+        self.resume = HostResume(self)
 
     # --- per-sequence state ---------------------------------------------------------------
 
@@ -177,73 +172,6 @@ class SparseKV:
         self.query_valid[row] = False
         return row
 
-    # --- a history resumed from the cluster tier ----------------------------------------------
-
-    def host_range(self, seq: Sequence, start: int, num_pages: int) -> range:
-        """The pages of `seq` that a tier load of its pages `[start, start + num_pages)` puts in the host pool
-        instead of device pages: the whole middle blocks it covers, for a sequence that offloads, when the
-        load begins at or before the middle (a middle partly cached on the device is loaded as before)."""
-        p = self.policy
-        if p.mode(seq.num_prompt_tokens) is not AttentionMode.OFFLOAD or start > p.init_pages:
-            return range(0)
-        covered = max(0, start + num_pages - p.init_pages) // p.pages_per_block
-        n = min(p.num_middle_blocks(seq.num_tokens + 1), covered)
-        return range(p.init_pages, p.init_pages + n * p.pages_per_block)
-
-    @torch.inference_mode()
-    def resume_to_host(self, seq: Sequence, pages: range, blocks: list[TierBlock]) -> bool:
-        """Put the middle blocks `blocks` (tier blocks, one per page of `pages`, from `host_range`) in the host
-        pool as `seq`'s offloaded middle and represent them there, so admission maps those pages to
-        `OFFLOADED`; False (nothing changed) when the host pool is full."""
-        ppb = self.policy.pages_per_block
-        n = len(pages) // ppb
-        try:
-            ids = self.pool.allocate(n)
-        except ValueError as error:
-            logger.warning("history of %s loaded onto the device, not the host pool: %s", seq.seq_id, error)
-            return False
-        # The pool as pages, [L, capacity * ppb, bs, Hkv, D]: each tier block is copied once, straight in.
-        bs = self.policy.block_size
-        k_pages, v_pages = (x.view(self.L, -1, bs, self.Hkv, self.D) for x in (self.pool.k, self.pool.v))
-        for j, block in enumerate(blocks):
-            page = ids[j // ppb] * ppb + j % ppb
-            k_pages[:, page] = block.key
-            v_pages[:, page] = block.value
-        host = torch.tensor(ids, dtype=torch.int64)
-        st = self.state(seq)
-        if self.rep_rows:
-            keys = self.pool.k.index_select(1, host).to(self.device).flatten(0, 1)  # [L * n, rb, Hkv, D]
-            reps = block_representation(keys, self.cfg.representation, self.cfg.representative_keys)
-            self.reps[:, st.row, :n] = reps.view(self.L, n, self.Hkv, self.rep_rows, self.D)
-        self.host_ids[st.row, :n] = host.to(self.device)
-        st.host_blocks.extend(ids)
-        st.num_offloaded = st.num_represented = n
-        seq.host_pages = pages
-        self.counters["sparse_blocks_resumed_to_host"] += n
-        return True
-
-    def plan_prefill_host(self, seqs: list[Sequence]) -> dict[int, tuple[int, Tensor]] | None:
-        """For the step's prefill rows `seqs`: row -> (first page, host block ids) of each one whose middle
-        is in the host pool (a resumed history), which its prefill attends to from there."""
-        plan = {}
-        for i, seq in enumerate(seqs):
-            pages = seq.host_pages
-            if pages and seq.block_table[pages.start] == OFFLOADED:
-                row = self._states[seq.seq_id].row
-                plan[i] = (pages.start, self.host_ids[row, : len(pages) // self.policy.pages_per_block])
-        return plan or None
-
-    def host_pages_kv(self, layer: int, plan: dict[int, tuple[int, Tensor]]) -> dict[int, tuple[int, Tensor, Tensor]]:
-        """`plan_prefill_host`'s rows with `layer`'s K and V of their host pages: [pages, bs, Hkv, D] each."""
-        bs = self.policy.block_size
-        out = {}
-        for i, (first, ids) in plan.items():
-            ids = ids.cpu()
-            k = self.pool.k[layer].index_select(0, ids).view(-1, bs, self.Hkv, self.D).to(self.device)
-            v = self.pool.v[layer].index_select(0, ids).view(-1, bs, self.Hkv, self.D).to(self.device)
-            out[i] = (first, k, v)
-        return out
-
     # --- after each step: representations and offload -----------------------------------
 
     @torch.inference_mode()
@@ -264,10 +192,8 @@ class SparseKV:
                 rep_blocks.append(j)
             st.num_represented = max(st.num_represented, filled)
             if st.mode is AttentionMode.OFFLOAD and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                host = seq.host_pages
-                if host and seq.block_table[host.start] != OFFLOADED:
-                    # Recomputed after a tier load put them in the host pool (their init pages were evicted
-                    # before admission): the host copy serves, the device pages go.
+                if (host := seq.host_pages) and seq.block_table[host.start] != OFFLOADED:
+                    # Recomputed (init pages evicted before admission) though the host pool holds them: it serves.
                     self.bm.release_pages(seq, list(host))
                 middle = p.num_middle_blocks(seq.num_computed_tokens + 1)
                 for j in range(st.num_offloaded, middle):
