@@ -42,13 +42,20 @@ def history(tokenizer) -> list[int]:
     return needle_case(tokenizer, 4200, 0.4, seed=7).prompt_token_ids
 
 
-def test_a_resumed_offload_history_keeps_its_middle_in_host_memory_and_answers_as_a_local_run(tier_options, history):
+@pytest.fixture(scope="module")
+def local_answer(tier_options, history) -> list[int]:
+    """A local sparse run's greedy answer to the history, whose blocks it wrote to the tier."""
     writer = LLM(dtype="float32", sparse=SPARSE, kvtier=tier_options)
-    local = writer.generate(prompt_token_ids=history, sampling_params=GREEDY)[0].outputs[0].token_ids
+    answer = writer.generate(prompt_token_ids=history, sampling_params=GREEDY)[0].outputs[0].token_ids
     assert writer.stats()["sparse_seqs_offload"] == 1
     writer.tier.flush()
     writer.close()
+    return answer
 
+
+def test_a_resumed_offload_history_keeps_its_middle_in_host_memory_and_answers_as_a_local_run(
+    tier_options, history, local_answer
+):
     llm = LLM(dtype="float32", sparse=SPARSE, kvtier=tier_options)
     engine = llm.engine
     request = engine.prepare_request("resumed", prompt_token_ids=history, params=GREEDY)
@@ -76,9 +83,37 @@ def test_a_resumed_offload_history_keeps_its_middle_in_host_memory_and_answers_a
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens = out.outputs[0].token_ids
-    assert tokens == local
+    assert tokens == local_answer
     stats = llm.stats()
     assert stats["sparse_cache_misses"] > 0  # decode copied its selected middle blocks in from the host pool
     assert stats["pages_used"] == 0 and stats["sparse_host_pages_held"] == 0
     engine.block_manager.check_invariants()
+    llm.close()
+
+
+def test_a_resumed_history_whose_init_pages_were_evicted_before_admission_is_recomputed_without_its_middle(
+    tier_options, history, local_answer
+):
+    llm = LLM(dtype="float32", sparse=SPARSE, kvtier=tier_options)
+    engine, bm = llm.engine, llm.engine.block_manager
+    request = engine.prepare_request("evicted", prompt_token_ids=history, params=GREEDY)
+    engine.load_from_tier(request)
+    seq = request.seq
+    assert seq.host_pages
+    hog = engine.prepare_request("hog", prompt_token_ids=[1], params=GREEDY).seq
+    assert bm.allocate(hog, bm.num_free_pages * bm.block_size)  # every free page, the loaded ones included
+    bm.free(hog)
+    engine.enqueue(request)
+    while not seq.output_token_ids:  # the whole prompt is computed on the device
+        engine.step()
+    assert seq.num_cached_tokens == 0
+    # After its prefill the middle's device pages went: the host pool already held that K/V.
+    assert seq.block_table.count(OFFLOADED) == len(seq.host_pages)
+    assert llm.stats()["sparse_blocks_offloaded"] == 0
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+    assert tokens == local_answer
+    bm.check_invariants()
     llm.close()
