@@ -16,6 +16,16 @@ from transformers import PreTrainedTokenizerBase
 
 from rayapp.models.tokenizer import chat_token_ids
 
+# Sparse settings scaled from the 32K / 64K defaults to SmolLM2's 8K context (`SparseConfig` fields).
+SCALED_SPARSE = dict(
+    enabled=True,
+    init_tokens=64,
+    local_tokens=512,
+    retrieval_block_size=64,
+    dense_boundary=1024,
+    offload_boundary=2048,
+)
+
 _SUBJECTS = [
     "The old lighthouse",
     "A quiet village",

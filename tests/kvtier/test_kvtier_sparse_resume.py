@@ -14,18 +14,9 @@ import ray
 from rayapp import LLM, SamplingParams
 from rayapp.engine.block_manager import OFFLOADED
 from rayapp.kvtier.embedded import stop_embedded_database
-from rayapp.sparse.evaluation import needle_case
+from rayapp.sparse.evaluation import SCALED_SPARSE, needle_case
 
-SPARSE = dict(
-    enabled=True,
-    init_tokens=64,
-    local_tokens=512,
-    retrieval_block_size=64,
-    dense_boundary=1024,
-    offload_boundary=2048,
-    device_cache_blocks=96,
-    scoring_queries=4,
-)
+SPARSE = {**SCALED_SPARSE, "device_cache_blocks": 96, "scoring_queries": 4}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 

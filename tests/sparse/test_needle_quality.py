@@ -12,18 +12,9 @@ import dataclasses
 
 from rayapp import LLM, SamplingParams
 from rayapp.config import LayerwiseConfig, SparseConfig
-from rayapp.sparse.evaluation import needle_case
+from rayapp.sparse.evaluation import SCALED_SPARSE, needle_case
 
-SCALED = SparseConfig(
-    enabled=True,
-    init_tokens=64,
-    local_tokens=512,
-    retrieval_block_size=64,
-    topk_percent=0.2,
-    dense_boundary=1024,
-    offload_boundary=2048,
-    device_cache_blocks=64,
-)
+SCALED = SparseConfig(**SCALED_SPARSE, topk_percent=0.2, device_cache_blocks=64)
 LENGTHS = [1200, 1900, 2600, 3300, 4000, 4700, 5400, 6000]
 DEPTHS = [0.15, 0.5, 0.85, 0.3, 0.65, 0.1, 0.45, 0.75]
 
