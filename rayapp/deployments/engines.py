@@ -7,7 +7,6 @@ for, so rayapp installs and serves without it.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +15,7 @@ from rayapp.config import AppConfig
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta
 from rayapp.engine.engine_process import EngineProcess
 from rayapp.engine.llm_engine import LLMEngine
-from rayapp.kvtier import log_unavailable
+from rayapp.kvtier import join_ray, log_unavailable
 
 
 def backend_class(config: AppConfig) -> type:
@@ -90,7 +89,7 @@ def _attach_tier(ray_address: str | None, engine: LLMEngine) -> Any:
 
     try:
         if not ray.is_initialized():
-            ray.init(address=ray_address, log_to_driver=False, logging_level=logging.WARNING)
+            join_ray(ray_address)
         return attach_tier(engine)
     except Exception as error:  # no database, no store: serve without the tier rather than not at all
         log_unavailable(error)

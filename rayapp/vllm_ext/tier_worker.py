@@ -24,6 +24,7 @@ from vllm.distributed.kv_events import BlockStored as VLLMBlockStored
 from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 
 from rayapp.blocks import BlockRemoved, BlockStored
+from rayapp.kvtier import join_ray
 from rayapp.kvtier.client import KVTierClient
 from rayapp.kvtier.loader import load_chain
 from rayapp.kvtier.records import ChainMatch
@@ -78,7 +79,7 @@ def _vllm_event(event: BlockStored | BlockRemoved) -> KVCacheEvent:
 class TierWorker:
     def __init__(self, settings: TierSettings, vllm_config: VllmConfig) -> None:
         if not ray.is_initialized():
-            ray.init(address=settings.ray_address, log_to_driver=False, logging_level=logging.WARNING)
+            join_ray(settings.ray_address)
         model = vllm_config.model_config
         self.num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
         self.head_dim = model.get_head_size()
