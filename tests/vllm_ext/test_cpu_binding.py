@@ -1,18 +1,23 @@
-"""vLLM replicas sharing a CPU node compute on cores of their own, not all on vLLM's first core."""
+"""vLLM replicas sharing a CPU node compute on cores of their own, not all on vLLM's first core, and leave vLLM's
+scheduler loop its core with the cluster tier on."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.utils.ompmultiprocessing import OMPProcessManager  # noqa: E402
+
 from rayapp.config import AppConfig  # noqa: E402
-from rayapp.vllm_ext.engine import bind_cpu_slot  # noqa: E402
+from rayapp.vllm_ext.engine import bind_cpu_slot, keep_frontend_core  # noqa: E402
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
+RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
 @pytest.fixture
@@ -53,3 +58,31 @@ def test_a_users_binding_wins(node, monkeypatch):
     monkeypatch.setenv(BIND, "0-1")
     assert bind_cpu_slot(AppConfig(engine="vllm")) is None
     assert os.environ[BIND] == "0-1"
+
+
+def _vllm_binding(kv_connector: bool) -> OMPProcessManager:
+    """vLLM's own automatic binding for one worker on this host, with or without a KV connector."""
+    parallel = SimpleNamespace(local_world_size=1, data_parallel_rank_local=0, _api_process_count=1)
+    return OMPProcessManager(SimpleNamespace(parallel_config=parallel, kv_transfer_config=kv_connector or None))
+
+
+def test_the_cluster_tier_keeps_the_core_vllm_leaves_to_its_scheduler_and_the_replica(monkeypatch):
+    monkeypatch.delenv(BIND, raising=False)
+    monkeypatch.delenv(RESERVED, raising=False)
+    without = _vllm_binding(kv_connector=False)
+    keep_frontend_core(AppConfig(engine="vllm"), {"kv_transfer_config": object()})
+    with_tier = _vllm_binding(kv_connector=True)
+    os.environ.pop(RESERVED, None)  # a new replica process would not have it
+    assert with_tier.reserve_cpu_num == without.reserve_cpu_num
+    if len(os.sched_getaffinity(0)) > 1:  # vLLM's OMP threads leave a core to the scheduler loop and the replica
+        assert with_tier.reserved_cpu_list == without.reserved_cpu_list != []
+
+
+def test_a_users_reservation_or_binding_wins_over_the_tiers(monkeypatch):
+    monkeypatch.setenv(RESERVED, "3")
+    keep_frontend_core(AppConfig(engine="vllm"), {"kv_transfer_config": object()})
+    assert os.environ[RESERVED] == "3"
+    monkeypatch.delenv(RESERVED)
+    monkeypatch.setenv(BIND, "0-1")
+    keep_frontend_core(AppConfig(engine="vllm"), {"kv_transfer_config": object()})
+    assert RESERVED not in os.environ
