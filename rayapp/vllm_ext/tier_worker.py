@@ -24,7 +24,7 @@ from vllm.distributed.kv_events import BlockStored as VLLMBlockStored
 from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
 
 from rayapp.blocks import BlockRemoved, BlockStored
-from rayapp.kvtier import join_ray
+from rayapp.kvtier import join_ray, pin_thread, spare_cores, threads_on
 from rayapp.kvtier.client import KVTierClient
 from rayapp.kvtier.loader import load_chain
 from rayapp.kvtier.records import ChainMatch
@@ -78,18 +78,23 @@ def _vllm_event(event: BlockStored | BlockRemoved) -> KVCacheEvent:
 
 class TierWorker:
     def __init__(self, settings: TierSettings, vllm_config: VllmConfig) -> None:
-        if not ray.is_initialized():
-            join_ray(settings.ray_address)
         model = vllm_config.model_config
         self.num_kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
         self.head_dim = model.get_head_size()
         self.block_size = vllm_config.cache_config.block_size
         self._forward_context = vllm_config.compilation_config.static_forward_context
-        self.client = KVTierClient(
-            settings.tier_config(), settings.model_id, self.block_size, self.num_kv_heads * self.head_dim
-        )
+        # Ray's threads, the writer and the loads run on the cores vLLM keeps off its compute threads.
+        self.spare_cores = spare_cores()
+        with threads_on(self.spare_cores):
+            if not ray.is_initialized():
+                join_ray(settings.ray_address)
+            self.client = KVTierClient(
+                settings.tier_config(), settings.model_id, self.block_size, self.num_kv_heads * self.head_dim
+            )
         self.pages: PagedKV | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="rayapp-kvtier-load")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            LOAD_THREADS, thread_name_prefix="rayapp-kvtier-load", initializer=pin_thread, initargs=(self.spare_cores,)
+        )
         self._lock = threading.Lock()
         self._finished: dict[str, list[int]] = {}  # request id -> its pages that did not load
         self._failed_pages: set[int] = set()
