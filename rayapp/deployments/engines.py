@@ -16,6 +16,7 @@ from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta
 from rayapp.engine.engine_process import EngineProcess
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.kvtier import join_ray, log_unavailable
+from rayapp.observability import Metric
 
 
 def backend_class(config: AppConfig) -> type:
@@ -59,6 +60,9 @@ class RayappBackend:
 
     async def stats(self) -> dict[str, float]:
         return await self.engine.stats()
+
+    async def metrics(self) -> tuple[Metric, ...]:
+        return await self.engine.metrics()
 
     async def take_kv_events(self) -> list[KVEvent]:
         return await self.engine.take_kv_events()

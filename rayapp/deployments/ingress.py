@@ -45,7 +45,7 @@ from rayapp.engine.backend import EngineRequest, GenerateDelta
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
 from rayapp.models.tokenizer import chat_token_ids, load_tokenizer
-from rayapp.observability import HubClient
+from rayapp.observability.hub import HubClient
 from rayapp.prefix_router.actor import prefix_index
 
 logger = logging.getLogger(__name__)

@@ -2,9 +2,13 @@
 
 Serve offers no way to call every replica of a deployment, so each replica (and each handle's
 request router, `rayapp.prefix_router.metrics`) pushes a snapshot twice a second to one `MetricsHub`
-actor per application (`rayapp.observability`), and the ingress renders the hub's snapshots as
+actor per application (`rayapp.observability.hub`), and the ingress renders the hub's snapshots as
 Prometheus text, labelled by replica. They also record the same numbers through `ray.util.metrics`,
 which Ray's own metrics agent exports for a cluster Prometheus.
+
+A replica's engine numbers are whatever its engine declares (`EngineBackend.metrics()`: the engine's,
+its extensions', the tier client's, each declared where it is counted); a snapshot carries their
+declarations, so nothing here names them.
 """
 
 from __future__ import annotations
@@ -15,64 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from ray.util import metrics as ray_metrics
 
-from rayapp.observability import LATENCY_BUCKETS_S, Histogram
-
-ENGINE_COUNTERS = {
-    "prompt_tokens": "Prompt tokens received",
-    "cached_prompt_tokens": "Prompt tokens served from the prefix cache instead of computed",
-    "tier_loaded_tokens": "Of the cached prompt tokens, those loaded from the cluster KV tier",
-    "tier_reloaded_tokens": "Tokens preempted sequences loaded back from the cluster KV tier instead of recomputing",
-    "generation_tokens": "Tokens generated",
-    "num_preemptions": "Sequences preempted (recomputed later) because KV pages ran out",
-    "kv_events_lost_batches": "vLLM KV event batches the router's feed missed (the replica's entries were dropped)",
-    # rayapp's engine only (its step loop, in the replica's engine process).
-    "engine_steps": "Steps rayapp's engine ran",
-    "engine_step_seconds": "Wall time inside rayapp's engine steps",
-    "engine_step_cpu_seconds": "CPU time of the engine's step thread inside its steps (torch's intra-op threads not "
-    "counted); below engine_step_seconds by the time the step waited for the GIL or for a core",
-}
-# Only with sparse attention on (`sparse.enabled`): its engine reports these too.
-SPARSE_COUNTERS = {
-    "sparse_seqs_dense": "Sequences whose prompt put them in dense attention mode",
-    "sparse_seqs_sparse": "Sequences in sparse retrieval mode, all pages on device",
-    "sparse_seqs_offload": "Sequences in sparse retrieval mode with their middle offloaded to host memory",
-    "sparse_selected_blocks": "Middle retrieval blocks selected for attention, summed over steps and layers",
-    "sparse_blocks_offloaded": "Retrieval blocks moved to the host pool",
-    "sparse_cache_hits": "Selected offloaded blocks already in the device block cache",
-    "sparse_cache_misses": "Selected offloaded blocks copied in from the host pool",
-    # vLLM replicas (the retrieval plugin decides per decode step, by context length).
-    "sparse_decode_steps_dense": "Decode steps of sequences attending densely, summed over sequences",
-    "sparse_decode_steps_sparse": "Decode steps of sequences attending sparsely, summed over sequences",
-    "sparse_blocks_represented": "Retrieval blocks whose representation was computed (prefix-cached ones are kept)",
-}
-SPARSE_GAUGES = {
-    "sparse_running_sparse": "Running sequences in sparse retrieval mode",
-    "sparse_running_dense": "Sequences that decoded densely in the last step (vLLM replicas)",
-    "sparse_running_offload": "Running sequences in sparse retrieval mode with offload",
-    "sparse_selected_blocks_last_step": "Retrieval blocks selected in the last step",
-    "sparse_blocks_copied_last_step": "Blocks copied host-to-device in the last step",
-    "sparse_host_pages_held": "KV pages held in the host pool",
-    "sparse_device_cache_pages": "KV pages of the device block cache",
-}
-LAYERWISE_COUNTERS = {
-    "layerwise_compacted_seqs": "Sequences whose KV was compressed layer-wise after their prompt",
-    "layerwise_compaction_skipped": "Prompts left dense because the pool had no pages for their compacted KV",
-    "layerwise_pages_saved": "KV pages given back to the pool by layer-wise compaction",
-}
-LAYERWISE_GAUGES = {
-    "layerwise_running_compacted": "Running sequences holding layer-wise compressed KV",
-    "layerwise_slots_held": "Per-layer page slots the compressed sequences hold (a pool page has one per layer)",
-}
-ENGINE_GAUGES = {
-    "pages_free": "KV pages no sequence holds (cached ones included)",
-    "pages_total": "KV pages in the pool",
-    "pages_cached": "Free KV pages still holding a reusable prefix block",
-    "num_running": "Sequences in the running batch",
-    "num_waiting": "Sequences queued for admission",
-}
-
-COUNTERS = {**ENGINE_COUNTERS, **SPARSE_COUNTERS, **LAYERWISE_COUNTERS}
-GAUGES = {**ENGINE_GAUGES, **SPARSE_GAUGES, **LAYERWISE_GAUGES}
+from rayapp.observability import LATENCY_BUCKETS_S, Histogram, Metric
 
 
 class ReplicaMetrics:
@@ -93,12 +40,20 @@ class ReplicaMetrics:
         self._ray_itl = ray_metrics.Histogram(
             "rayapp_inter_token_latency_seconds", "Time between tokens", list(LATENCY_BUCKETS_S), ("replica",)
         )
-        self._ray_engine = {
-            name: ray_metrics.Gauge(f"rayapp_{name}", text, tag_keys=("replica",))
-            for name, text in {**COUNTERS, **GAUGES}.items()
-        }
-        for metric in (self._ray_ttft, self._ray_itl, *self._ray_engine.values()):
+        for metric in (self._ray_ttft, self._ray_itl):
             metric.set_default_tags(tags)
+        # What the engine declares it reports (`declare`), and their Ray gauges.
+        self.declared: dict[str, Metric] = {}
+        self._ray_engine: dict[str, ray_metrics.Gauge] = {}
+
+    def declare(self, metrics: tuple[Metric, ...]) -> None:
+        """The engine's metrics (its backend's `metrics()`): `snapshot` reports exactly these of its stats."""
+        self.declared = {m.name: m for m in metrics}
+        for m in metrics:
+            if m.name not in self._ray_engine:
+                gauge = ray_metrics.Gauge(f"rayapp_{m.name}", m.help, tag_keys=("replica",))
+                gauge.set_default_tags({"replica": self.replica})
+                self._ray_engine[m.name] = gauge
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -113,11 +68,12 @@ class ReplicaMetrics:
         self._ray_requests.inc(tags={"replica": self.replica, "finish_reason": reason})
 
     def snapshot(self, engine_stats: dict[str, int]) -> dict[str, Any]:
-        engine = {k: v for k, v in engine_stats.items() if k in COUNTERS or k in GAUGES}
+        engine = {k: v for k, v in engine_stats.items() if k in self.declared}
         for name, value in engine.items():
             self._ray_engine[name].set(value)
         return {
             "engine": engine,
+            "declared": [self.declared[name] for name in engine],
             "requests": dict(self.requests),
             "ttft": (list(self.ttft.counts), self.ttft.total),
             "itl": (list(self.itl.counts), self.itl.total),
@@ -155,10 +111,9 @@ class _Collector:
         requests = CounterMetricFamily(
             "rayapp_requests", "Requests finished by a replica, by finish reason", labels=["replica", "finish_reason"]
         )
-        families = {
-            **{n: CounterMetricFamily(f"rayapp_{n}", t, labels=["replica"]) for n, t in COUNTERS.items()},
-            **{n: GaugeMetricFamily(f"rayapp_{n}", t, labels=["replica"]) for n, t in GAUGES.items()},
-        }
+        declared = {m.name: m for snap in self.replicas.values() for m in snap["declared"]}
+        kinds = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+        families = {n: kinds[m.kind](f"rayapp_{n}", m.help, labels=["replica"]) for n, m in sorted(declared.items())}
         ttft = HistogramMetricFamily("rayapp_time_to_first_token_seconds", "Time to first token", labels=["replica"])
         itl = HistogramMetricFamily("rayapp_inter_token_latency_seconds", "Time between tokens", labels=["replica"])
         for replica, snap in sorted(self.replicas.items()):

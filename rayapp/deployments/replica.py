@@ -16,7 +16,8 @@ from rayapp.config import AppConfig
 from rayapp.deployments.engines import backend_class
 from rayapp.deployments.metrics import ReplicaMetrics
 from rayapp.engine.backend import EngineRequest, GenerateDelta
-from rayapp.observability import PUSH_PERIOD_S, HubClient
+from rayapp.observability import PUSH_PERIOD_S
+from rayapp.observability.hub import HubClient
 from rayapp.prefix_router.actor import prefix_index
 from rayapp.prefix_router.publisher import KVEventPublisher
 
@@ -82,6 +83,8 @@ class LLMReplica:
     async def _push_metrics(self) -> None:
         while True:
             with contextlib.suppress(Exception):  # metrics must never take a replica down
+                if not self.metrics.declared:
+                    self.metrics.declare(await self.engine.metrics())
                 stats = await self.engine.stats()
                 await self._hub.call("push", self.replica, self.metrics.snapshot(stats))
             await asyncio.sleep(PUSH_PERIOD_S)

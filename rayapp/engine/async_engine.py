@@ -18,6 +18,7 @@ from rayapp.engine.engine_loop import EngineLoop
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import RequestOutput
 from rayapp.engine.sampling_params import SamplingParams
+from rayapp.observability import Metric
 
 _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
 
@@ -84,6 +85,10 @@ class AsyncLLMEngine:
         if not self.is_running():  # no step loop mutates the engine any more
             return self._loop.stats()
         return await self._call(self._loop.stats)
+
+    async def metrics(self) -> tuple[Metric, ...]:
+        """What `stats` reports that `/metrics` shows."""
+        return self._loop.metrics()
 
     async def take_kv_events(self) -> list[KVEvent]:
         """KV cache events since the last call, taken on the engine thread between two steps."""

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from rayapp.blocks import BlockHash, KVEvent
 from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampling_params import SamplingParams
+from rayapp.observability import Metric
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,10 @@ class EngineBackend(Protocol):
 
     async def stats(self) -> dict[str, float]:
         """Counters and gauges named as on `/metrics` (`prompt_tokens`, `num_running`, `pages_free`, ...)."""
+        ...
+
+    async def metrics(self) -> tuple[Metric, ...]:
+        """What `stats` reports that `/metrics` shows (declared once, at start)."""
         ...
 
     async def take_kv_events(self) -> list[KVEvent]:

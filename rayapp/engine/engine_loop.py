@@ -22,8 +22,18 @@ from rayapp.engine.kv_transfer import TierBlock, TierPlan
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import RequestOutput
 from rayapp.engine.request import Request
+from rayapp.observability import Metric, counters
 
 logger = logging.getLogger(__name__)
+
+METRICS = counters(
+    {
+        "engine_steps": "Steps rayapp's engine ran",
+        "engine_step_seconds": "Wall time inside rayapp's engine steps",
+        "engine_step_cpu_seconds": "CPU time of the engine's step thread inside its steps (torch's intra-op threads "
+        "not counted); below engine_step_seconds by the time the step waited for the GIL or for a core",
+    }
+)
 
 
 class EngineLoop:
@@ -99,6 +109,10 @@ class EngineLoop:
 
         self.submit(command)
         return done
+
+    def metrics(self) -> tuple[Metric, ...]:
+        """What `stats` reports that `/metrics` shows."""
+        return self.engine.metrics() + METRICS
 
     def stats(self) -> dict[str, float]:
         """`LLMEngine.stats` and the step loop's time counters (loop thread, or once the loop has stopped)."""

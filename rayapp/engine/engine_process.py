@@ -7,8 +7,8 @@ keeps only pipes and streams.
 
 Over one duplex pipe (pickled tuples):
 - parent → child: `("add", request_id, kwargs)` (the arguments of `LLMEngine.prepare_request`),
-  `("abort", request_id)`, `("call", call_id, name)` for `stats`, `take_kv_events`, `kv_snapshot`
-  and `flush_tier`, and `("shutdown",)`;
+  `("abort", request_id)`, `("call", call_id, name)` for `stats`, `metrics`, `take_kv_events`,
+  `kv_snapshot` and `flush_tier`, and `("shutdown",)`;
 - child → parent: `("ready",)` or `("failed", message)` once at start, then one `("outputs", [(request_id,
   GenerateDelta), ...])` per step, `("rejected", request_id, message)` for a request `prepare_request`
   refused (a ValueError the client caused), `("ended", message, request_ids)` for requests an engine
@@ -42,6 +42,7 @@ from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta,
 from rayapp.engine.engine_loop import EngineLoop
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import RequestOutput
+from rayapp.observability import Metric
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,10 @@ class EngineProcess:
     async def stats(self) -> dict[str, float]:
         """The engine's counters and the step loop's, read between two steps (a consistent snapshot)."""
         return await self._call("stats")
+
+    async def metrics(self) -> tuple[Metric, ...]:
+        """What `stats` reports that `/metrics` shows: the engine's, its extensions' and the step loop's."""
+        return await self._call("metrics")
 
     async def take_kv_events(self) -> list[KVEvent]:
         return await self._call("take_kv_events")
@@ -273,6 +278,7 @@ def _child_main(conn: Connection, config: EngineConfig, setup: Setup | None, num
     calls: dict[str, Callable[..., concurrent.futures.Future[Any]]] = {
         "abort": loop.abort,
         "stats": lambda: loop.call(loop.stats),
+        "metrics": lambda: loop.call(loop.metrics),
         "take_kv_events": lambda: loop.call(engine.take_kv_events),
         "kv_snapshot": lambda: loop.call(engine.kv_snapshot),
         # Waits on the tier's writer: on a thread of its own, never the step loop's.

@@ -28,6 +28,20 @@ from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.sequence import Sequence
 from rayapp.kernels.attention import paged_decode_attention, paged_prefill_attention
 from rayapp.kernels.snapkv import pyramid_budgets, select_tokens, snapkv_scores
+from rayapp.observability import Metric, counters, gauges
+
+METRICS = counters(
+    {
+        "layerwise_compacted_seqs": "Sequences whose KV was compressed layer-wise after their prompt",
+        "layerwise_compaction_skipped": "Prompts left dense because the pool had no pages for their compacted KV",
+        "layerwise_pages_saved": "KV pages given back to the pool by layer-wise compaction",
+    }
+) + gauges(
+    {
+        "layerwise_running_compacted": "Running sequences holding layer-wise compressed KV",
+        "layerwise_slots_held": "Per-layer page slots the compressed sequences hold (a pool page has one per layer)",
+    }
+)
 
 
 @dataclass
@@ -104,6 +118,20 @@ class LayerwiseKV:
     def compresses(self, seq: Sequence) -> bool:
         """Whether `seq` is compacted after its prompt (not when sparse retrieval takes it)."""
         return self.max_prompt_tokens is None or seq.num_prompt_tokens < self.max_prompt_tokens
+
+    def min_recompute_tokens(self, seq: Sequence) -> int:
+        """The observation window's queries score the prompt: a prefix-cache hit leaves them to compute."""
+        return min(seq.num_prompt_tokens, self.cfg.window) if self.compresses(seq) else 1
+
+    def keeps_own_layout(self, seq: Sequence) -> bool:
+        """A compacted sequence's pages hold per-layer slots, not its tokens in order."""
+        return seq.compacted
+
+    def begin_step(self) -> None:
+        """Nothing to prepare: the step's plan is made with the model runner's metadata."""
+
+    def metrics(self) -> tuple[Metric, ...]:
+        return METRICS
 
     # --- plans -----------------------------------------------------------------------------
 

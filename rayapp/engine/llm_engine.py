@@ -11,6 +11,7 @@ from rayapp.blocks import AllCleared, BlockHash, KVEvent
 from rayapp.config import EngineConfig, LayerwiseConfig, SparseConfig
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.detokenizer import IncrementalDetokenizer
+from rayapp.engine.extension import build_extensions
 from rayapp.engine.kv_transfer import KVTransfer, TierBlock, TierPlan, TierPort
 from rayapp.engine.layerwise_kv import LayerwiseKV
 from rayapp.engine.model_runner import ModelRunner
@@ -24,7 +25,26 @@ from rayapp.engine.sparse_kv import SparseKV
 from rayapp.engine.structured import Grammars, accept
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
-from rayapp.sparse.policy import AttentionMode
+from rayapp.observability import Metric, counters, gauges
+
+METRICS = counters(
+    {
+        "prompt_tokens": "Prompt tokens received",
+        "cached_prompt_tokens": "Prompt tokens served from the prefix cache instead of computed",
+        "tier_loaded_tokens": "Of the cached prompt tokens, those loaded from the cluster KV tier",
+        "tier_reloaded_tokens": "Tokens preempted sequences loaded back from the cluster KV tier, not recomputed",
+        "generation_tokens": "Tokens generated",
+        "num_preemptions": "Sequences preempted (recomputed later) because KV pages ran out",
+    }
+) + gauges(
+    {
+        "pages_free": "KV pages no sequence holds (cached ones included)",
+        "pages_total": "KV pages in the pool",
+        "pages_cached": "Free KV pages still holding a reusable prefix block",
+        "num_running": "Sequences in the running batch",
+        "num_waiting": "Sequences queued for admission",
+    }
+)
 
 
 class LLMEngine:
@@ -49,11 +69,7 @@ class LLMEngine:
             self.runner.num_pages, config.cache.block_size, self.model_id, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.sparse: SparseKV | None = None
-        if config.sparse.enabled:
-            self.sparse = self.runner.sparse = SparseKV(config, self.runner, self.block_manager, self.max_model_len)
-        self.layerwise: LayerwiseKV | None = None
-        self._use_layerwise(config.layerwise)
+        self.extensions = build_extensions(config, self.runner, self.block_manager, self.scheduler, self.max_model_len)
         self.eos_token_ids = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -73,19 +89,23 @@ class LLMEngine:
         self.fetch_parked: Callable[[Request, TierPlan], None] | None = None
         self.scheduler.park_before_admit = self._park_for_tier
 
+    @property
+    def sparse(self) -> SparseKV | None:
+        """The sparse retrieval extension, when `sparse.enabled`."""
+        return self.runner.sparse
+
+    @property
+    def layerwise(self) -> LayerwiseKV | None:
+        """The layer-wise compression extension, when `layerwise.enabled`."""
+        return self.runner.layerwise
+
     def use_sparse_config(self, sparse: SparseConfig) -> None:
         """Switch the sparse settings between requests (the engine must be idle).
 
         For evaluation: one prefill, many scorers, each run after the first hitting the prefix
         cache. The device block cache keeps the size the engine was built with.
         """
-        if self.has_unfinished_requests():
-            raise RuntimeError("use_sparse_config needs an idle engine: finish or abort the running requests first")
-        self.config = dataclasses.replace(self.config, sparse=sparse)
-        self.sparse = self.runner.sparse = (
-            SparseKV(self.config, self.runner, self.block_manager, self.max_model_len) if sparse.enabled else None
-        )
-        self._use_layerwise(self.config.layerwise)  # which prompts it leaves to sparse retrieval changed
+        self._reconfigure("use_sparse_config", dataclasses.replace(self.config, sparse=sparse))
 
     def use_layerwise_config(self, layerwise: LayerwiseConfig) -> None:
         """Switch the layer-wise compression settings between requests (the engine must be idle).
@@ -93,16 +113,14 @@ class LLMEngine:
         For evaluation: prompts prefilled once stay in the prefix cache, in every layer, so each
         setting after the first recomputes only the observation window.
         """
-        if self.has_unfinished_requests():
-            raise RuntimeError("use_layerwise_config needs an idle engine: finish or abort the running requests first")
-        self.config = dataclasses.replace(self.config, layerwise=layerwise)
-        self._use_layerwise(layerwise)
+        self._reconfigure("use_layerwise_config", dataclasses.replace(self.config, layerwise=layerwise))
 
-    def _use_layerwise(self, layerwise: LayerwiseConfig) -> None:
-        self.layerwise = self.runner.layerwise = (
-            LayerwiseKV(self.config, self.runner, self.block_manager) if layerwise.enabled else None
-        )
-        self.scheduler.reserve_compacted = None if self.layerwise is None else self.layerwise.reserve
+    def _reconfigure(self, caller: str, config: EngineConfig) -> None:
+        """Build the extensions anew for `config` (their counters restart)."""
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"{caller} needs an idle engine: finish or abort the running requests first")
+        self.config = config
+        self.extensions = build_extensions(config, self.runner, self.block_manager, self.scheduler, self.max_model_len)
 
     @classmethod
     def from_options(cls, **options: Any) -> LLMEngine:
@@ -204,10 +222,7 @@ class LLMEngine:
         seq.generator = make_generator(params, self.runner.device)
         if params.structured is not None:
             seq.grammar = self.grammars.matcher(params.structured)
-        if self.sparse is not None and self.sparse.policy.mode(len(ids)) is not AttentionMode.DENSE:
-            seq.min_recompute_tokens = min(len(ids), self.config.sparse.scoring_queries)
-        if self.layerwise is not None and self.layerwise.compresses(seq):  # the window's queries score the prompt
-            seq.min_recompute_tokens = min(len(ids), self.config.layerwise.window)
+        seq.min_recompute_tokens = max((e.min_recompute_tokens(seq) for e in self.extensions), default=1)
         return seq
 
     def _fork(self, parent: Request) -> None:
@@ -221,7 +236,7 @@ class LLMEngine:
         group, seq, bm = parent.group, parent.seq, self.block_manager
         group.forked = True
         ids = parent.prompt_token_ids
-        dense = not seq.compacted and (self.sparse is None or self.sparse.policy.mode(len(ids)) is AttentionMode.DENSE)
+        shared = not any(e.keeps_own_layout(seq) for e in self.extensions)
         queued = []
         for i in range(1, group.n):
             params = seq.params
@@ -235,7 +250,7 @@ class LLMEngine:
             )  # fmt: skip
             group.members.append(child)
             self._requests[child.seq.seq_id] = child
-            if dense and not self.scheduler.is_full:
+            if shared and not self.scheduler.is_full:
                 fork = bm.fork(seq, child.seq, len(ids) - 1)
                 if fork.ok:
                     self.runner.copy_pages(fork.copies)
@@ -273,36 +288,37 @@ class LLMEngine:
         self._num_preemptions += len(batch.preempted)
         for seq in batch.preempted:  # recomputed from scratch when readmitted
             self._forget(seq)
-        if self.sparse is not None:
-            self.sparse.begin_step()
+        for extension in self.extensions:
+            extension.begin_step()
         if not batch.seqs:
             return []
         tokens, logprobs = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
-        if self.sparse is not None:
-            # Before tokens are appended: a sequence that finishes now frees its pages below.
-            self.sparse.after_step(batch.seqs)
-            self.sparse.end_step()
-        if self.layerwise is not None:
-            self.layerwise.after_step(batch.seqs)
+        for extension in self.extensions:  # before tokens are appended: one that finishes now frees its pages
+            extension.after_step(batch.seqs)
         outputs = []
         for seq, token, logprob in zip(batch.seqs, tokens, logprobs):
             req = self._requests[seq.seq_id]
-            if not req.counted_cached:
-                req.counted_cached = True
-                self._counters["cached_prompt_tokens"] += seq.num_cached_tokens
-                start, end = req.tier_tokens
-                self._counters["tier_loaded_tokens"] += max(0, min(end, seq.num_cached_tokens) - start)
-            if req.tier_reloaded is not None:  # readmitted after a reload: what its prefix match used
-                (start, end), req.tier_reloaded = req.tier_reloaded, None
-                self._counters["tier_reloaded_tokens"] += max(0, min(end, seq.num_cached_tokens) - start)
+            self._count_cached(req)
             if token is not None:
                 if req.group is not None and not req.group.forked:
                     self._fork(req)
                 outputs.append(self._append(req, token, logprob))
         return outputs
+
+    def _count_cached(self, req: Request) -> None:
+        """At a request's first step (and first step after a reload from the tier): its cached prompt tokens."""
+        seq = req.seq
+        if not req.counted_cached:
+            req.counted_cached = True
+            self._counters["cached_prompt_tokens"] += seq.num_cached_tokens
+            start, end = req.tier_tokens
+            self._counters["tier_loaded_tokens"] += max(0, min(end, seq.num_cached_tokens) - start)
+        if req.tier_reloaded is not None:  # readmitted after a reload: what its prefix match used
+            (start, end), req.tier_reloaded = req.tier_reloaded, None
+            self._counters["tier_reloaded_tokens"] += max(0, min(end, seq.num_cached_tokens) - start)
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         seq = req.seq
@@ -335,11 +351,9 @@ class LLMEngine:
         return self._output(req, [token], delta, stop_reason, [logprob])
 
     def _forget(self, seq: Sequence) -> None:
-        """Drop `seq`'s sparse and layer-wise state (its pages were released by the scheduler)."""
-        if self.sparse is not None:
-            self.sparse.drop(seq)
-        if self.layerwise is not None:
-            self.layerwise.drop(seq)
+        """Drop the extensions' state of `seq` (its pages were released by the scheduler)."""
+        for extension in self.extensions:
+            extension.drop(seq)
 
     def _output(
         self,
@@ -385,15 +399,15 @@ class LLMEngine:
         self.block_manager.take_events()
         return [AllCleared(), *self.block_manager.snapshot()]
 
+    def metrics(self) -> tuple[Metric, ...]:
+        """What `stats` reports on `/metrics`: the engine's numbers and its extensions'."""
+        return METRICS + tuple(m for e in self.extensions for m in e.metrics())
+
     def stats(self) -> dict[str, int]:
-        """Cumulative counters since start and the current state of the page pool (and, with sparse
-        attention on, its `sparse_*` counters)."""
+        """Cumulative counters since start, the current state of the page pool, and the extensions' numbers."""
         bm = self.block_manager
-        sparse = self.sparse.stats() if self.sparse is not None else {}
-        layerwise = self.layerwise.stats() if self.layerwise is not None else {}
         return {
-            **sparse,
-            **layerwise,
+            **{k: v for e in self.extensions for k, v in e.stats().items()},
             **self._counters,
             "num_preemptions": self._num_preemptions,
             "num_running": len(self.scheduler.running),

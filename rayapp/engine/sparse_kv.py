@@ -29,9 +29,32 @@ from rayapp.kernels.retrieval import (
     select_topk_blocks,
     sparse_decode_attention,
 )
+from rayapp.observability import Metric, counters, gauges
 from rayapp.sparse.block_cache import DeviceBlockCache
 from rayapp.sparse.host_pool import HostBlockPool, copy_blocks_to_host
 from rayapp.sparse.policy import AttentionMode, RetrievalPolicy
+
+METRICS = counters(
+    {
+        "sparse_seqs_dense": "Sequences whose prompt put them in dense attention mode",
+        "sparse_seqs_sparse": "Sequences in sparse retrieval mode, all pages on device",
+        "sparse_seqs_offload": "Sequences in sparse retrieval mode with their middle offloaded to host memory",
+        "sparse_selected_blocks": "Middle retrieval blocks selected for attention, summed over steps and layers",
+        "sparse_blocks_offloaded": "Retrieval blocks moved to the host pool",
+        "sparse_blocks_resumed_to_host": "Retrieval blocks a cluster-tier load put straight into the host pool",
+        "sparse_cache_hits": "Selected offloaded blocks already in the device block cache",
+        "sparse_cache_misses": "Selected offloaded blocks copied in from the host pool",
+    }
+) + gauges(
+    {
+        "sparse_running_sparse": "Running sequences in sparse retrieval mode",
+        "sparse_running_offload": "Running sequences in sparse retrieval mode with offload",
+        "sparse_selected_blocks_last_step": "Retrieval blocks selected in the last step",
+        "sparse_blocks_copied_last_step": "Blocks copied host-to-device in the last step",
+        "sparse_host_pages_held": "KV pages held in the host pool",
+        "sparse_device_cache_pages": "KV pages of the device block cache",
+    }
+)
 
 
 @dataclass
@@ -141,6 +164,16 @@ class SparseKV:
             self._states[seq.seq_id] = st
         return st
 
+    def min_recompute_tokens(self, seq: Sequence) -> int:
+        """The prompt's last queries score its retrieval blocks: they are recomputed, never served from cache."""
+        if self.policy.mode(seq.num_prompt_tokens) is AttentionMode.DENSE:
+            return 1
+        return min(seq.num_prompt_tokens, self.cfg.scoring_queries)
+
+    def keeps_own_layout(self, seq: Sequence) -> bool:
+        """Sequences in a retrieval mode keep per-sequence state beside their pages."""
+        return self.policy.mode(seq.num_prompt_tokens) is not AttentionMode.DENSE
+
     @torch.inference_mode()
     def drop(self, seq: Sequence) -> None:
         """Forget `seq` (finished, aborted or preempted): its row, host blocks and cached blocks."""
@@ -204,6 +237,7 @@ class SparseKV:
             self._represent(rep_pages, rep_rows, rep_blocks)
         if off_pages:
             self._offload(off_pages, off_seqs)
+        self.end_step()
 
     def _represent(self, pages: list[list[int]], rows: list[int], blocks: list[int]) -> None:
         k_cache = self.runner.k_cache  # [L, P, bs, Hkv, D]
@@ -375,6 +409,9 @@ class SparseKV:
         recent = torch.where(valid, recent, q.float()[:, None])
         return recent.view(Bs, self.W, self.Hkv, G, self.D).transpose(1, 2).reshape(Bs, -1, self.D)
 
+    def metrics(self) -> tuple[Metric, ...]:
+        return METRICS
+
     def stats(self) -> dict[str, int]:
         cs = self.cache.stats
         running = [st.mode for st in self._states.values()]
@@ -390,6 +427,7 @@ class SparseKV:
         }
 
     def begin_step(self) -> None:
+        """Start counting a step's selected and copied blocks (`after_step` ends it)."""
         self.last_step["sparse_blocks_copied_last_step"] = -self.cache.stats.misses
         self.last_step["sparse_selected_blocks_last_step"] = 0
 

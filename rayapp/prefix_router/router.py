@@ -24,7 +24,8 @@ from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from rayapp.config import RouterConfig
-from rayapp.observability import PUSH_PERIOD_S, HubClient
+from rayapp.observability import PUSH_PERIOD_S
+from rayapp.observability.hub import HubClient
 from rayapp.prefix_router.actor import prefix_index
 from rayapp.prefix_router.metrics import RouterMetrics
 from rayapp.prefix_router.policy import Holding, rank

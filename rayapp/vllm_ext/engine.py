@@ -36,15 +36,21 @@ from rayapp.config import AppConfig
 from rayapp.config.app import VLLM_SHARED_KWARGS
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
 from rayapp.engine.detokenizer import IncrementalDetokenizer
+from rayapp.engine.llm_engine import METRICS as ENGINE_METRICS
 from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampling_params import SamplingParams, StructuredOutput
 from rayapp.engine.structured import ANY_OBJECT
 from rayapp.kvtier import log_unavailable
 from rayapp.models.loader import DEFAULT_MODEL, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
+from rayapp.observability import Metric, counters
 from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM, kv_transfer_config
 from rayapp.vllm_ext.kv_events import VLLMKVEvents
-from rayapp.vllm_ext.retrieval import WORKER_EXTENSION, register, settings_env
+from rayapp.vllm_ext.retrieval import WORKER_EXTENSION, RetrievalStats, register, settings_env
+
+METRICS = counters(
+    {"kv_events_lost_batches": "vLLM KV event batches the router's feed missed (the replica's entries were dropped)"}
+)
 
 # AppConfig fields that map onto AsyncEngineArgs as they are, when the user set them (else vLLM's defaults hold);
 # the page size and the KV cache size are placed below.
@@ -327,6 +333,11 @@ class VLLMBackend:
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
+
+    async def metrics(self) -> tuple[Metric, ...]:
+        """rayapp's engine metrics vLLM's stats give (the others it does not report), the KV event feed's, and the
+        retrieval plugin's when it is on."""
+        return ENGINE_METRICS + METRICS + (RetrievalStats.METRICS if self._sparse else ())
 
     async def stats(self) -> dict[str, float]:
         total = self.engine.vllm_config.cache_config.num_gpu_blocks or 0

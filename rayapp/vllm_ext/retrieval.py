@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from rayapp.config import SparseConfig
+from rayapp.observability import counters, gauges
 
 logger = logging.getLogger("rayapp.retrieval")
 
@@ -105,17 +106,25 @@ def register() -> None:
 class RetrievalStats:
     """What the backend did in this process: counters since start, gauges of the last step."""
 
-    COUNTERS = (
-        "sparse_decode_steps_dense",
-        "sparse_decode_steps_sparse",
-        "sparse_selected_blocks",
-        "sparse_blocks_represented",
+    METRICS = counters(
+        {
+            "sparse_decode_steps_dense": "Decode steps of sequences attending densely, summed over sequences",
+            "sparse_decode_steps_sparse": "Decode steps of sequences attending sparsely, summed over sequences",
+            "sparse_selected_blocks": "Middle retrieval blocks selected for attention, summed over steps and layers",
+            "sparse_blocks_represented": "Retrieval blocks whose representation was computed (prefix-cached ones "
+            "are kept)",
+        }
+    ) + gauges(
+        {
+            "sparse_running_dense": "Sequences that decoded densely in the last step",
+            "sparse_running_sparse": "Sequences that decoded sparsely in the last step",
+            "sparse_selected_blocks_last_step": "Retrieval blocks selected in the last step",
+        }
     )
-    GAUGES = ("sparse_running_dense", "sparse_running_sparse", "sparse_selected_blocks_last_step")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values = dict.fromkeys(self.COUNTERS + self.GAUGES, 0)
+        self._values = dict.fromkeys((m.name for m in self.METRICS), 0)
 
     def record_step(self, dense_rows: int, sparse_rows: int, selected: int, represented: int) -> None:
         with self._lock:

@@ -5,13 +5,22 @@ from __future__ import annotations
 import re
 
 from rayapp.deployments.metrics import render_prometheus
+from rayapp.engine.llm_engine import METRICS as ENGINE_METRICS
+from rayapp.engine.sparse_kv import METRICS as SPARSE_METRICS
 from rayapp.observability import LATENCY_BUCKETS_S
 
 EMPTY = ([0] * (len(LATENCY_BUCKETS_S) + 1), 0.0)
 
 
 def replica(engine: dict[str, int]) -> dict:
-    return {"engine": engine, "requests": {"stop": 1}, "ttft": EMPTY, "itl": EMPTY}
+    declared = {m.name: m for m in ENGINE_METRICS + SPARSE_METRICS}
+    return {
+        "engine": engine,
+        "declared": [declared[name] for name in engine],
+        "requests": {"stop": 1},
+        "ttft": EMPTY,
+        "itl": EMPTY,
+    }
 
 
 def series(text: str, name: str) -> dict[str, float]:

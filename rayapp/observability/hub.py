@@ -1,46 +1,19 @@
-"""Metrics plumbing every layer may use: the latency histogram, the push period, and the per-application
-`MetricsHub` actor that replicas and request routers push snapshots to and the ingress reads for `/metrics`.
-
-It sits below the packages that measure (`engine`'s users, `prefix_router`, `deployments`), so none of them
-imports another for it; what each measures, and how `/metrics` renders it, stays with that package.
-"""
+"""The per-application `MetricsHub` actor: replicas and request routers push snapshots to it every
+`PUSH_PERIOD_S`, the ingress reads them for `/metrics`."""
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
 
-PUSH_PERIOD_S = 0.5
+from rayapp.observability import STALE_AFTER_S
+
 # Seconds a call on the MetricsHub may take before its caller goes on without it.
 HUB_TIMEOUT_S = 2.0
-# A replica silent for this long is gone (dead or scaled down): its numbers leave /metrics.
-STALE_AFTER_S = 10.0
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-@dataclass
-class Histogram:
-    """Cumulative-bucket histogram in Prometheus' shape, cheap to snapshot and ship."""
-
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
-    total: float = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, value)] += 1
-        self.total += value
-
-    def buckets(self) -> list[tuple[str, int]]:
-        running, out = 0, []
-        for bound, count in zip((*LATENCY_BUCKETS_S, float("inf")), self.counts):
-            running += count
-            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
-        return out
 
 
 @ray.remote(num_cpus=0)
