@@ -50,13 +50,14 @@ def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
 
 def timed_load(llm: LLM, prompt: list[int]) -> tuple[float, float, int]:
     """Seconds of the tier fetch (catalog + object store + verify) and of the install, and blocks loaded."""
-    request = llm.engine.prepare_request("probe", prompt_token_ids=prompt, params=FIRST_TOKEN)
-    plan = llm.engine.plan_tier_load(request)
+    seq = llm.engine.prepare_request("probe", prompt_token_ids=prompt, params=FIRST_TOKEN).seq
+    tier = llm.engine.tier
+    ask = tier.ask(seq, llm.engine.block_manager.match_prefix(seq))
     t0 = time.perf_counter()
-    blocks = llm.engine.fetch_from_tier(request, plan)
+    load = tier.fetch(ask)
     t1 = time.perf_counter()
-    llm.engine.install_from_tier(request, plan, blocks)
-    return t1 - t0, time.perf_counter() - t1, len(blocks)
+    tier.install(seq, load)
+    return t1 - t0, time.perf_counter() - t1, len(load.blocks)
 
 
 def prompts(history_tokens: int) -> tuple[list[int], list[int]]:
@@ -80,8 +81,7 @@ def rayapp_ttfts(
         assert b.engine.block_manager.reset_prefix_cache()
         t_load, token_loaded = ttft(b, prompt)
         loads.append(t_load)
-    a.engine.kv_transfer = None
-    a.engine.block_manager.on_stored = None
+    a.engine.detach_tier()
     assert a.engine.block_manager.reset_prefix_cache()
     t_recompute, token_recomputed = ttft(a, prompt)
     a.close()
@@ -193,8 +193,7 @@ def main() -> None:
             assert b.engine.block_manager.reset_prefix_cache()
             one_block.append(timed_load(b, history[:17])[0])
 
-        a.engine.kv_transfer = None  # A recomputes without the tier from here on
-        a.engine.block_manager.on_stored = None
+        a.engine.detach_tier()  # A recomputes without the tier from here on
         assert a.engine.block_manager.reset_prefix_cache()
         t_recompute, token_recomputed = ttft(a, prompt)
         a.close()

@@ -113,8 +113,8 @@ def long_model_dir(max_len: int) -> Path:
 
 def run_speed(contexts: list[int], steps: int) -> None:
     """Decode-step time (whole model and attention alone), KV bytes read, and device KV memory."""
-    from rayapp.engine.block_manager import OFFLOADED
-    from rayapp.engine.model_runner import PagedAttention
+    from rayapp.engine.attention import PagedAttention
+    from rayapp.engine.pages import OFFLOADED
     from rayapp.engine.scheduler import ScheduledBatch
     from rayapp.engine.sequence import Sequence
 
@@ -252,7 +252,7 @@ def run_resume(context: int, steps: int) -> None:
             params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
             request = engine.prepare_request(f"resume-{mode}", prompt_token_ids=tokens, params=params)
             t0 = time.perf_counter()
-            engine.load_from_tier(request)
+            engine.tier.load_now(request.seq)
             peak = engine.stats()["pages_cached"]  # the loaded history, before admission
             engine.enqueue(request)
             while not request.seq.output_token_ids:

@@ -95,7 +95,6 @@ class LLM:
             self.engine.prepare_request(f"offline-{next(self._ids)}", params=p, **x) for x, p in zip(inputs, params)
         ]
         for request in requests:
-            self.engine.load_from_tier(request)
             self.engine.enqueue(request)
         order = {r.seq.seq_id: i for i, r in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)

@@ -67,3 +67,8 @@ def test_no_import_runs_up_or_across_the_layers():
             if RANK.get(target, len(LAYERS)) >= RANK[source]:
                 wrong.append(f"{path.relative_to(ROOT.parent)} ({source}) imports rayapp.{target}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_module_is_over_400_lines():
+    long = [f"{p.relative_to(ROOT.parent)}: {n}" for p in _modules() if (n := len(p.read_text().splitlines())) > 400]
+    assert not long, "split these modules along a seam:\n" + "\n".join(long)

@@ -13,49 +13,10 @@ Invariants (checked by `check_invariants`):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple
 
 from rayapp.blocks import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent, hash_blocks
-from rayapp.engine.free_block_queue import FreeBlockQueue, Page
+from rayapp.engine.pages import OFFLOADED, ForkResult, FreeBlockQueue, Page, PageCopy, PageInfo, PrefixMatch
 from rayapp.engine.sequence import Sequence
-
-# A block-table entry whose page was released after its K/V moved to the host pool.
-OFFLOADED = -1
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Cached pages holding a sequence's first `num_tokens` tokens (whole blocks), in order.
-
-    Pass it straight to `allocate`: until then the pages are unreferenced and may be evicted.
-    """
-
-    page_ids: tuple[int, ...] = ()
-    num_tokens: int = 0
-
-
-class PageCopy(NamedTuple):
-    """The engine must copy the KV of `src_page` into `dst_page` (all layers)."""
-
-    src_page: int
-    dst_page: int
-
-
-@dataclass(frozen=True)
-class ForkResult:
-    """`ok` is False when no page was free for the child's partial last block (nothing changed)."""
-
-    ok: bool
-    copies: tuple[PageCopy, ...] = ()
-
-
-class PageInfo(NamedTuple):
-    """Read-only view of one page, for tests and debugging."""
-
-    ref_count: int
-    block_hash: BlockHash | None
-    token_ids: tuple[int, ...] | None
 
 
 class BlockManager:

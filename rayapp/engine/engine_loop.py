@@ -2,10 +2,9 @@
 
 `AsyncLLMEngine` (streams on an event loop, in this process) and `EngineProcess`'s child (outputs
 over a pipe) both drive the engine with it. Everything that touches the engine's state runs on the
-loop's thread, between two steps: commands from any thread cross through a queue. A cluster-tier
-load is planned there, fetched on a worker thread (it waits on the catalog and the object store,
-which must not stall the steps) and installed there with the enqueue, in one command, so no step
-can evict the installed pages before the admission that uses them.
+loop's thread, between two steps: commands from any thread cross through a queue. With a cluster
+tier, the loop gives its connector worker threads to fetch on (a fetch waits on the catalog and the
+object store, which must not stall the steps) and is woken when a load finished.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rayapp.engine.kv_transfer import TierBlock, TierPlan
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import RequestOutput
 from rayapp.engine.request import Request
@@ -55,35 +53,26 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopped = False
-        # Requests added and not yet finished or aborted (a tier load may still hold one back from the engine).
+        # Requests added and not yet finished or aborted.
         self._live: set[str] = set()
         # Time inside `step()`: wall, and the CPU time of this loop's own thread (torch's intra-op threads not
         # counted). Their difference is what the step waited for: the GIL, or a core another process held.
         self._step_counters = {"engine_steps": 0, "engine_step_seconds": 0.0, "engine_step_cpu_seconds": 0.0}
         self._fetches = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="rayapp-tier-fetch")
-        engine.fetch_parked = self._refetch
+        if engine.tier is not None:
+            engine.tier.load_on(self._fetches, self._wakeup.set)
         self._thread = threading.Thread(target=self._run, name="rayapp-engine", daemon=True)
         self._thread.start()
 
     def add(self, request: Request) -> None:
-        """Queue a prepared request (any thread). With a cluster tier, the prompt's blocks it holds beyond the
-        local prefix are put into cached pages first."""
+        """Queue a prepared request (any thread)."""
         request_id = request.seq.seq_id if request.group is None else request.group.request_id
-        self.submit(lambda: self._live.add(request_id))
-        if self.engine.kv_transfer is None:
-            self.submit(lambda: self.engine.enqueue(request))
-            return
 
-        def install_and_enqueue(plan: TierPlan | None, blocks: list[TierBlock]) -> None:
-            if request_id in self._live:  # not aborted while its blocks were fetched
-                self.engine.install_from_tier(request, plan, blocks)
-                self.engine.enqueue(request)
+        def enqueue() -> None:
+            self._live.add(request_id)
+            self.engine.enqueue(request)
 
-        def plan_and_fetch() -> None:
-            plan = self.engine.plan_tier_load(request)
-            self._fetch_then(request, plan, lambda blocks: install_and_enqueue(plan, blocks))
-
-        self.submit(plan_and_fetch)
+        self.submit(enqueue)
 
     def abort(self, request_id: str) -> concurrent.futures.Future[None]:
         """Abort a request (any thread); the future is done once its pages are freed and its last output
@@ -133,25 +122,6 @@ class EngineLoop:
         self._thread.join()
         self._fetches.shutdown(wait=False, cancel_futures=True)
 
-    def _refetch(self, request: Request, plan: TierPlan) -> None:
-        """Loop thread: fetch a parked (preempted) request's blocks from the tier, then hand it back to the engine
-        with them."""
-        self._fetch_then(request, plan, lambda blocks: self.engine.requeue(request, plan, blocks))
-
-    def _fetch_then(self, request: Request, plan: TierPlan | None, then: Callable[[list[TierBlock]], None]) -> None:
-        """Fetch `request`'s tier blocks for `plan` on a worker thread (none when that fails: the request
-        computes them instead), then call `then` with them on the loop thread."""
-
-        def fetch() -> None:
-            try:
-                blocks = self.engine.fetch_from_tier(request, plan)
-            except Exception:  # the tier is a cache
-                logger.exception("fetching request %s's blocks from the cluster tier failed", request.seq.seq_id)
-                blocks = []
-            self.submit(lambda: then(blocks))
-
-        self._fetches.submit(fetch)
-
     def _fail_all(self, error: BaseException) -> None:
         request_ids, self._live = sorted(self._live), set()
         for request_id in request_ids:
@@ -162,7 +132,7 @@ class EngineLoop:
         while not self._stopped:
             while not self._commands.empty():
                 self._commands.get()()
-            if not self.engine.has_runnable_requests():  # parked requests come back through a command
+            if not self.engine.has_runnable_requests():  # a finished tier load wakes the loop
                 self._wakeup.wait()
                 self._wakeup.clear()
                 continue

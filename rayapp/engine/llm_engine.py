@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable
 from typing import Any
 
 from rayapp.blocks import AllCleared, BlockHash, KVEvent
@@ -12,17 +10,17 @@ from rayapp.config import EngineConfig, LayerwiseConfig, SparseConfig
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.detokenizer import IncrementalDetokenizer
 from rayapp.engine.extension import build_extensions
-from rayapp.engine.kv_transfer import KVTransfer, TierBlock, TierPlan, TierPort
 from rayapp.engine.layerwise_kv import LayerwiseKV
 from rayapp.engine.model_runner import ModelRunner
-from rayapp.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from rayapp.engine.request import Request, RequestGroup
+from rayapp.engine.outputs import RequestOutput, TokenLogprob
+from rayapp.engine.request import Request, RequestGroup, RequestLimits
 from rayapp.engine.sampler import make_generator
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.engine.scheduler import Scheduler
 from rayapp.engine.sequence import Sequence
 from rayapp.engine.sparse_kv import SparseKV
 from rayapp.engine.structured import Grammars, accept
+from rayapp.engine.tier_connector import TierConnector, TierPort
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 from rayapp.observability import Metric, counters, gauges
@@ -31,8 +29,6 @@ METRICS = counters(
     {
         "prompt_tokens": "Prompt tokens received",
         "cached_prompt_tokens": "Prompt tokens served from the prefix cache instead of computed",
-        "tier_loaded_tokens": "Of the cached prompt tokens, those loaded from the cluster KV tier",
-        "tier_reloaded_tokens": "Tokens preempted sequences loaded back from the cluster KV tier, not recomputed",
         "generation_tokens": "Tokens generated",
         "num_preemptions": "Sequences preempted (recomputed later) because KV pages ran out",
     }
@@ -69,6 +65,9 @@ class LLMEngine:
             self.runner.num_pages, config.cache.block_size, self.model_id, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.limits = RequestLimits(
+            self.max_model_len, self.spec.vocab_size, self.block_manager.num_pages, config.cache.block_size
+        )
         self.extensions = build_extensions(config, self.runner, self.block_manager, self.scheduler, self.max_model_len)
         self.eos_token_ids = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -78,16 +77,10 @@ class LLMEngine:
         # Requests with n > 1, by request id, until their last answer finishes.
         self._groups: dict[str, RequestGroup] = {}
         self._counters = {"num_requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
-        self._counters["tier_loaded_tokens"] = 0  # of the cached prompt tokens, those loaded from the cluster tier
-        self._counters["tier_reloaded_tokens"] = 0  # tokens preempted requests loaded back from the tier
         self._num_preemptions = 0
-        # Set by `attach_tier`: the cluster KV tier, given by the caller (the engine does not import Ray).
-        self.kv_transfer: KVTransfer | None = None
-        # Set by a driver that fetches off the engine thread (`EngineLoop`): called with a parked preempted
-        # request (`_park_for_tier`), which it hands back with `requeue`. Unset (the offline `LLM`), preempted
-        # requests recompute what the local cache lost.
-        self.fetch_parked: Callable[[Request, TierPlan], None] | None = None
-        self.scheduler.park_before_admit = self._park_for_tier
+        # Set by `attach_tier`: the cluster KV tier's connector (the tier is given by the caller: the engine does
+        # not import Ray). It is an extension too, last of them.
+        self.tier: TierConnector | None = None
 
     @property
     def sparse(self) -> SparseKV | None:
@@ -121,6 +114,8 @@ class LLMEngine:
             raise RuntimeError(f"{caller} needs an idle engine: finish or abort the running requests first")
         self.config = config
         self.extensions = build_extensions(config, self.runner, self.block_manager, self.scheduler, self.max_model_len)
+        if self.tier is not None:
+            self.extensions.append(self.tier)
 
     @classmethod
     def from_options(cls, **options: Any) -> LLMEngine:
@@ -182,29 +177,7 @@ class LLMEngine:
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = list(prompt_token_ids or [])
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab = self.spec.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, which must also leave "
-                f"room for at least one generated token"
-            )
-        room = self.max_model_len - len(ids)
-        max_new = room if params.max_tokens is None else min(params.max_tokens, room)
-        bs = self.block_manager.block_size
-        pages = math.ceil((len(ids) + max_new - 1) / bs)
-        if pages > self.block_manager.num_pages:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({max_new}) needs {pages} KV pages but the pool has "
-                f"{self.block_manager.num_pages}; lower max_tokens or raise num_pages / kv_cache_memory_gb"
-            )
-        if block_hashes is not None and len(block_hashes) > len(ids) // self.block_manager.block_size:
-            raise ValueError(f"got {len(block_hashes)} block hashes for a {len(ids)}-token prompt")
-        if not 0 <= delivered_tokens < len(ids):
-            raise ValueError(f"delivered_tokens={delivered_tokens} must be in [0, {len(ids)}) for this prompt")
+        max_new = self.limits.check(ids, params.max_tokens, block_hashes, delivered_tokens)
         seq = self._sequence(request_id, ids, params, cache_salt, block_hashes)
         cut = len(ids) - delivered_tokens
         detok = IncrementalDetokenizer(
@@ -273,13 +246,13 @@ class LLMEngine:
             return None
         if group is not None:
             group.unfinished = 0
-        return self._output(aborted[-1], [], "")
+        return aborted[-1].output([], "")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self.scheduler.parked)
+        return self.scheduler.has_work() or bool(self.scheduler.loading)
 
     def has_runnable_requests(self) -> bool:
-        """Whether `step` has work now (parked requests wait for their tier fetch)."""
+        """Whether `step` has work now (requests loading from the tier come back when their blocks are in)."""
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
@@ -301,24 +274,14 @@ class LLMEngine:
         outputs = []
         for seq, token, logprob in zip(batch.seqs, tokens, logprobs):
             req = self._requests[seq.seq_id]
-            self._count_cached(req)
+            if not req.counted_cached:  # its first step: what its prefix match served
+                req.counted_cached = True
+                self._counters["cached_prompt_tokens"] += seq.num_cached_tokens
             if token is not None:
                 if req.group is not None and not req.group.forked:
                     self._fork(req)
                 outputs.append(self._append(req, token, logprob))
         return outputs
-
-    def _count_cached(self, req: Request) -> None:
-        """At a request's first step (and first step after a reload from the tier): its cached prompt tokens."""
-        seq = req.seq
-        if not req.counted_cached:
-            req.counted_cached = True
-            self._counters["cached_prompt_tokens"] += seq.num_cached_tokens
-            start, end = req.tier_tokens
-            self._counters["tier_loaded_tokens"] += max(0, min(end, seq.num_cached_tokens) - start)
-        if req.tier_reloaded is not None:  # readmitted after a reload: what its prefix match used
-            (start, end), req.tier_reloaded = req.tier_reloaded, None
-            self._counters["tier_reloaded_tokens"] += max(0, min(end, seq.num_cached_tokens) - start)
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         seq = req.seq
@@ -348,48 +311,17 @@ class LLMEngine:
                 req.group.unfinished -= 1
                 if req.group.unfinished == 0:
                     del self._groups[req.group.request_id]
-        return self._output(req, [token], delta, stop_reason, [logprob])
+        return req.output([token], delta, stop_reason, [logprob])
 
     def _forget(self, seq: Sequence) -> None:
         """Drop the extensions' state of `seq` (its pages were released by the scheduler)."""
         for extension in self.extensions:
             extension.drop(seq)
 
-    def _output(
-        self,
-        req: Request,
-        delta_ids: list[int],
-        delta_text: str,
-        stop_reason: str | int | None = None,
-        delta_logprobs: list[TokenLogprob | None] = (),
-    ) -> RequestOutput:
-        seq = req.seq
-        completion = CompletionOutput(
-            index=req.index,
-            text=req.detokenizer.text,
-            token_ids=seq.output_token_ids,
-            finish_reason=seq.finish_reason,
-            stop_reason=stop_reason,
-            delta_text=delta_text,
-            delta_token_ids=delta_ids,
-            logprobs=req.logprobs,
-            delta_logprobs=None if req.logprobs is None else list(delta_logprobs),
-        )
-        group, first = req.group, req if req.group is None else req.group.members[0]
-        return RequestOutput(
-            request_id=seq.seq_id if group is None else group.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=seq.is_finished if group is None else group.unfinished == 0,
-            num_cached_tokens=first.seq.num_cached_tokens,
-            metrics=RequestMetrics(first.seq.arrival_time, first.seq.first_token_time),
-        )
-
     def take_kv_events(self) -> list[KVEvent]:
         """KV cache events since the last call (for the prefix router), blocks written to the cluster tier last."""
         events = self.block_manager.take_events()
-        return events if self.kv_transfer is None else [*events, *self.kv_transfer.take_events()]
+        return events if self.tier is None else [*events, *self.tier.take_events()]
 
     def kv_snapshot(self) -> list[KVEvent]:
         """`AllCleared`, then one `BlockStored` per cached block: the whole cache as events.
@@ -411,7 +343,7 @@ class LLMEngine:
             **self._counters,
             "num_preemptions": self._num_preemptions,
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.parked),
+            "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.loading),
             "pages_total": bm.num_pages,
             "pages_free": bm.num_free_pages,
             "pages_cached": bm.num_cached_pages,
@@ -420,62 +352,20 @@ class LLMEngine:
         }
 
     def attach_tier(self, tier: TierPort) -> None:
-        """Share KV blocks with a cluster tier: write full blocks through to it, load from it on a local miss."""
-        self.kv_transfer = KVTransfer(self.runner, self.block_manager, tier)
+        """Share KV blocks with a cluster tier: write full blocks through to it, load from it at admission."""
+        self.detach_tier()
+        self.tier = TierConnector(self.runner, self.block_manager, tier)
+        self.scheduler.connector = self.tier
+        self.extensions.append(self.tier)
 
-    def plan_tier_load(self, request: Request) -> TierPlan | None:
-        """Engine thread: how much of the prompt the local cache serves; None without a tier."""
-        return None if self.kv_transfer is None else self.kv_transfer.plan(request.seq)
-
-    def fetch_from_tier(self, request: Request, plan: TierPlan | None) -> list[TierBlock]:
-        """Any thread (blocking): the tier blocks that continue the local prefix, when loading beats recompute."""
-        if self.kv_transfer is None or plan is None:
-            return []
-        return self.kv_transfer.fetch(request.seq, plan)
-
-    def install_from_tier(self, request: Request, plan: TierPlan | None, blocks: list[TierBlock]) -> None:
-        """Engine thread, right before `enqueue`: put fetched blocks into cached pages the prefix match hits."""
-        if self.kv_transfer is not None and plan is not None and blocks:
-            request.tier_tokens = self.kv_transfer.install(request.seq, plan, blocks)
-
-    def requeue(self, request: Request, plan: TierPlan, blocks: list[TierBlock]) -> None:
-        """Engine thread: give a parked request back to the scheduler, at the front of the queue, with the
-        tier blocks fetched for it; they are installed once the pool has room to readmit it. A no-op for a
-        request that finished (was aborted) meanwhile."""
-        if request.seq.seq_id not in self.scheduler.parked:
-            return
-        request.tier_fetched = (plan, blocks) if blocks else None
-        self.scheduler.unpark(request.seq)
-
-    def _park_for_tier(self, seq: Sequence) -> bool:
-        """The scheduler's check before admitting `seq` (True: not now). A preempted sequence whose blocks the
-        local cache lost meanwhile is parked while the driver fetches them back from the tier, off the engine
-        thread; asked again only once the cache lost more of it, so a tier lacking them is not asked in a
-        loop. Fetched blocks wait, holding the queue, until the pool has room for the whole sequence: the
-        pages they are installed into must not be evicted before the admission that uses them."""
-        if self.fetch_parked is None or self.kv_transfer is None or seq.num_preemptions == 0:
-            return False
-        request = self._requests[seq.seq_id]
-        if request.tier_fetched is not None:
-            bm, (plan, blocks) = self.block_manager, request.tier_fetched
-            local = bm.match_prefix(seq)
-            reviving = sum(1 for pid in local.page_ids if bm.page_info(pid).ref_count == 0)
-            if bm.num_free_pages - reviving < -(-seq.num_tokens // bm.block_size) - len(local.page_ids):
-                return True
-            request.tier_fetched = None
-            request.tier_reloaded = self.kv_transfer.install(seq, plan, blocks)
-        plan = self.kv_transfer.plan(seq)
-        last = request.tier_refetched
-        if not plan.worth_asking:
-            return False
-        if last is not None and last[0] == seq.num_preemptions and plan.local_blocks >= last[1]:
-            return False  # asked since this preemption, and the cache has lost nothing more since
-        request.tier_refetched = (seq.num_preemptions, plan.local_blocks)
-        self.scheduler.park(seq)
-        self.fetch_parked(request, plan)
-        return True
-
-    def load_from_tier(self, request: Request) -> None:
-        """`plan_tier_load`, `fetch_from_tier` and `install_from_tier` in one go, for the engine's own thread."""
-        plan = self.plan_tier_load(request)
-        self.install_from_tier(request, plan, self.fetch_from_tier(request, plan))
+    def detach_tier(self) -> TierPort | None:
+        """Go on without the cluster tier (no writes, no loads); returns it, to attach again (engine idle)."""
+        if self.tier is None:
+            return None
+        if self.scheduler.loading:
+            raise RuntimeError("detach_tier needs no request loading from the tier: wait for them first")
+        connector, self.tier = self.tier, None
+        connector.detach()
+        self.scheduler.connector = None
+        self.extensions.remove(connector)
+        return connector.tier

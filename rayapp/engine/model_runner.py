@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from itertools import accumulate, chain
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,112 +11,23 @@ import torch
 from torch import Tensor
 
 from rayapp.config import DTYPES, EngineConfig
+from rayapp.engine.attention import AttentionMetadata, PagedAttention
 from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampler import Sampler, token_logprobs
 from rayapp.engine.scheduler import ScheduledBatch
 from rayapp.engine.sequence import Sequence
 from rayapp.engine.structured import constrain
 from rayapp.kernels import native
-from rayapp.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
 from rayapp.models.llama import load_model
 from rayapp.models.loader import ModelSpec, load_state_dict
 from rayapp.sparse.policy import RetrievalPolicy
 
 if TYPE_CHECKING:
-    from rayapp.engine.block_manager import PageCopy
-    from rayapp.engine.layerwise_kv import LayerwiseKV, LayerwisePlan
-    from rayapp.engine.sparse_kv import DecodePlan, QueryCapture, SparseKV
+    from rayapp.engine.layerwise_kv import LayerwiseKV
+    from rayapp.engine.pages import PageCopy
+    from rayapp.engine.sparse_kv import SparseKV
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class AttentionMetadata:
-    """Where this step's tokens go in the paged cache and what each one attends to."""
-
-    slot_mapping: Tensor  # [T] page * block_size + offset of every new token
-    num_decode_tokens: int  # the first tokens are decodes, one per sequence
-    decode_page_table: Tensor  # [Bd, max_pages]
-    decode_context_lens: Tensor  # [Bd]
-    prefill_page_table: Tensor  # [Bp, max_pages]
-    prefill_query_start_loc: Tensor  # [Bp + 1]
-    prefill_context_lens: Tensor  # [Bp]
-    sparse_plan: DecodePlan | None = None  # set when some decode rows attend sparsely
-    sparse_capture: QueryCapture | None = None  # prefill queries kept to score retrieval blocks
-    # Prefill rows whose middle is in the sparse host pool: row -> (first page, host block ids).
-    prefill_host: dict[int, tuple[int, Tensor]] | None = None
-    layerwise: LayerwisePlan | None = None  # set when rows are compacted or prefill rows score their prompt
-
-
-class PagedAttention:
-    """The model's attention callable for one step: store K/V into the pages, then attend."""
-
-    def __init__(
-        self,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sparse: SparseKV | None = None,
-        layerwise: LayerwiseKV | None = None,
-    ) -> None:
-        self.k_cache, self.v_cache, self.meta, self.scale = k_cache, v_cache, meta, scale
-        self.sparse, self.layerwise = sparse, layerwise
-
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        m, lw = self.meta, self.meta.layerwise
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        if lw is not None and lw.slots is not None:
-            assert self.layerwise is not None
-            self.layerwise.store(layer, k, v, lw)  # compacted rows write to their own slots
-        else:
-            store_kv(k, v, kc, vc, m.slot_mapping)
-        nd = m.num_decode_tokens
-        if m.sparse_capture is not None:
-            assert self.sparse is not None
-            self.sparse.capture(layer, q[nd:], m.sparse_capture)
-        if nd == q.shape[0]:
-            return self._decode(layer, q, kc, vc)
-        host = None
-        if m.prefill_host is not None:
-            assert self.sparse is not None
-            host = self.sparse.resume.host_pages_kv(layer, m.prefill_host)
-        prefill = paged_prefill_attention(
-            q[nd:], kc, vc, m.prefill_page_table, m.prefill_query_start_loc, m.prefill_context_lens, self.scale,
-            host_pages=host,
-        )  # fmt: skip
-        if lw is not None and lw.capture is not None and self.layerwise is not None and layer >= self.layerwise.Lf:
-            self.layerwise.capture(layer, q[nd:], kc, vc, prefill, lw.capture, self.scale)
-        if nd == 0:
-            return prefill
-        return torch.cat([self._decode(layer, q[:nd], kc, vc), prefill])
-
-    def _decode(self, layer: int, q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
-        m, lw = self.meta, self.meta.layerwise
-        if lw is None or lw.compact_idx is None:
-            return self._shared_table(layer, q, kc, vc, m.decode_page_table, m.decode_context_lens)
-        assert self.layerwise is not None and lw.dense_idx is not None
-        out = torch.empty_like(q)
-        if lw.dense_idx.numel():
-            out[lw.dense_idx] = self._shared_table(layer, q[lw.dense_idx], kc, vc, lw.dense_table, lw.dense_ctx)
-        out[lw.compact_idx] = self.layerwise.attend(layer, q[lw.compact_idx], lw, self.scale)
-        return out
-
-    def _shared_table(self, layer: int, q: Tensor, kc: Tensor, vc: Tensor, table: Tensor, ctx: Tensor) -> Tensor:
-        """Decode rows that read the shared page table (all but compacted ones): dense, or sparse where
-        the sparse plan (made for exactly these rows, in this order) says so."""
-        plan = self.meta.sparse_plan
-        if plan is None:
-            return paged_decode_attention(q, kc, vc, table, ctx, self.scale)
-        assert self.sparse is not None
-        out = torch.empty_like(q)
-        if plan.dense_idx.numel():
-            out[plan.dense_idx] = paged_decode_attention(
-                q[plan.dense_idx], kc, vc, plan.dense_table, plan.dense_ctx, self.scale
-            )
-        out[plan.sparse_idx] = self.sparse.attend(layer, q[plan.sparse_idx], kc, vc, plan, self.scale)
-        return out
 
 
 class ModelRunner:

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rayapp.config import SchedulerConfig
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from rayapp.engine.tier_connector import TierConnector
+
+
+class Admission(enum.Enum):
+    """What `TierConnector.admit` decided for the queue's front sequence."""
+
+    PROCEED = "proceed"  # nothing to load: admit it as the prefix match found it
+    INSTALLED = "installed"  # tier blocks were put into cached pages: match its prefix again, then admit it
+    LOADING = "loading"  # its blocks are being fetched: it waits in WAITING_FOR_TIER, out of the queue
+    HOLD = "hold"  # its fetched blocks wait for room in the pool: admit nothing this step
 
 
 @dataclass
@@ -37,8 +51,9 @@ class Scheduler:
     decodes for more than one chunk), then waiting sequences are admitted in arrival order. When
     pages run out, the newest running sequence is preempted: its pages are freed (they stay in
     the prefix cache, so recomputing is mostly cache hits) and it goes back to the waiting front.
-    With a cluster tier, the engine may park such a sequence at its readmission (`park_before_admit`)
-    until the blocks the cache lost meanwhile are fetched back.
+    With a cluster tier, its connector is asked at every admission, right after the prefix match
+    (`TierConnector.admit`): a sequence whose blocks the tier holds waits in `WAITING_FOR_TIER`, out of the
+    queue, while they are fetched, and comes back to the queue's front when they are.
     """
 
     def __init__(
@@ -51,13 +66,12 @@ class Scheduler:
         self.block_manager = block_manager
         # Grows a compacted sequence (layer-wise compression), whose pages are not a token-ordered table.
         self.reserve_compacted = reserve_compacted
-        # Asked before the queue's front sequence is admitted: True when the engine parked it instead (to
-        # fetch blocks of it the local cache lost back from the cluster tier) or holds it back this step.
-        self.park_before_admit: Callable[[Sequence], bool] | None = None
+        # The cluster tier's connector (`LLMEngine.attach_tier`), asked at each admission.
+        self.connector: TierConnector | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # Preempted sequences taken out of `waiting` while their blocks are fetched back (`park`).
-        self.parked: dict[str, Sequence] = {}
+        # Sequences in WAITING_FOR_TIER, by id: taken out of `waiting` while the tier loads their blocks.
+        self.loading: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         if front:
@@ -76,21 +90,16 @@ class Scheduler:
         self.running.append(seq)
 
     def has_work(self) -> bool:
-        """Whether a step has anything to schedule (parked sequences wait for `unpark`)."""
-        return bool(self.waiting or self.running)
-
-    def park(self, seq: Sequence) -> None:
-        """Hold a preempted (waiting) sequence out of admission until `unpark`."""
-        self.waiting.remove(seq)
-        self.parked[seq.seq_id] = seq
-
-    def unpark(self, seq: Sequence) -> None:
-        """Put a parked sequence back at the front of the queue, where preemption left it."""
-        del self.parked[seq.seq_id]
-        self.waiting.appendleft(seq)
+        """Whether a step has anything to schedule (sequences loading from the tier come back when loaded)."""
+        return bool(self.waiting or self.running) or (self.connector is not None and self.connector.has_finished())
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        if self.connector is not None:
+            for seq in self.connector.take_finished():  # loaded: back to the front, where it left the queue
+                del self.loading[seq.seq_id]
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
         budget = self.config.max_num_batched_tokens
         chosen: dict[str, int] = {}
         # Decodes first, then prefills, each in arrival order.
@@ -131,11 +140,18 @@ class Scheduler:
     def _admit(self, budget: int, chosen: dict[str, int]) -> None:
         while self.waiting and budget > 0 and not self.is_full:
             seq = self.waiting[0]
-            if self.park_before_admit is not None and self.park_before_admit(seq):
-                if self.waiting and self.waiting[0] is seq:
-                    break  # held back this step: nothing behind it jumps the queue
-                continue  # parked
             prefix = self.block_manager.match_prefix(seq)
+            if self.connector is not None:
+                admission = self.connector.admit(seq, prefix)
+                if admission is Admission.LOADING:
+                    self.waiting.popleft()
+                    seq.status = SequenceStatus.WAITING_FOR_TIER
+                    self.loading[seq.seq_id] = seq
+                    continue
+                if admission is Admission.HOLD:
+                    break  # its blocks wait for room: nothing behind it jumps the queue
+                if admission is Admission.INSTALLED:
+                    prefix = self.block_manager.match_prefix(seq)
             n = min(seq.num_tokens - prefix.num_tokens, budget)
             if not self.block_manager.allocate(seq, n, prefix):
                 break
@@ -156,7 +172,9 @@ class Scheduler:
         """End a sequence (done, stopped or aborted) and release its pages."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif self.parked.pop(seq.seq_id, None) is None and seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.WAITING_FOR_TIER:
+            del self.loading[seq.seq_id]
+        elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED

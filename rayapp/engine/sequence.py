@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    # Out of the queue while the cluster tier loads blocks of it (`TierConnector`); back to WAITING when loaded.
+    WAITING_FOR_TIER = "waiting_for_tier"
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -17,7 +17,9 @@ import torch
 from torch import Tensor
 
 from rayapp.config import EngineConfig
-from rayapp.engine.block_manager import OFFLOADED, BlockManager
+from rayapp.engine.attention import DecodePlan, QueryCapture
+from rayapp.engine.block_manager import BlockManager
+from rayapp.engine.pages import OFFLOADED
 from rayapp.engine.sequence import Sequence
 from rayapp.engine.sparse_resume import HostResume
 from rayapp.kernels.attention import paged_decode_attention
@@ -29,32 +31,11 @@ from rayapp.kernels.retrieval import (
     select_topk_blocks,
     sparse_decode_attention,
 )
-from rayapp.observability import Metric, counters, gauges
+from rayapp.observability import Metric
 from rayapp.sparse.block_cache import DeviceBlockCache
 from rayapp.sparse.host_pool import HostBlockPool, copy_blocks_to_host
+from rayapp.sparse.metrics import ENGINE_METRICS
 from rayapp.sparse.policy import AttentionMode, RetrievalPolicy
-
-METRICS = counters(
-    {
-        "sparse_seqs_dense": "Sequences whose prompt put them in dense attention mode",
-        "sparse_seqs_sparse": "Sequences in sparse retrieval mode, all pages on device",
-        "sparse_seqs_offload": "Sequences in sparse retrieval mode with their middle offloaded to host memory",
-        "sparse_selected_blocks": "Middle retrieval blocks selected for attention, summed over steps and layers",
-        "sparse_blocks_offloaded": "Retrieval blocks moved to the host pool",
-        "sparse_blocks_resumed_to_host": "Retrieval blocks a cluster-tier load put straight into the host pool",
-        "sparse_cache_hits": "Selected offloaded blocks already in the device block cache",
-        "sparse_cache_misses": "Selected offloaded blocks copied in from the host pool",
-    }
-) + gauges(
-    {
-        "sparse_running_sparse": "Running sequences in sparse retrieval mode",
-        "sparse_running_offload": "Running sequences in sparse retrieval mode with offload",
-        "sparse_selected_blocks_last_step": "Retrieval blocks selected in the last step",
-        "sparse_blocks_copied_last_step": "Blocks copied host-to-device in the last step",
-        "sparse_host_pages_held": "KV pages held in the host pool",
-        "sparse_device_cache_pages": "KV pages of the device block cache",
-    }
-)
 
 
 @dataclass
@@ -66,40 +47,6 @@ class _SeqState:
     host_blocks: list[int] = field(default_factory=list)
     steps_since_select: int = 0
     selected_for: int = -1  # middle size the stored selection was made for
-
-
-@dataclass
-class DecodePlan:
-    """One step's sparse decode work. Indices refer to the step's decode rows."""
-
-    dense_idx: Tensor  # [Bd] decode rows attending densely
-    dense_table: Tensor  # [Bd, w] their page tables (only as wide as they need)
-    dense_ctx: Tensor  # [Bd]
-    sparse_idx: Tensor  # [Bs] decode rows attending sparsely
-    rows: Tensor  # [Bs] store rows
-    num_middle: Tensor  # [Bs]
-    num_selected: Tensor  # [Bs]
-    fixed_pages: Tensor  # [Bs, nf] init + window pages
-    fixed_lens: Tensor  # [Bs, nf] valid tokens per fixed page (0: padding)
-    middle_pages: Tensor  # [Bs, N, ppb] device pages of each middle block (sparse mode rows)
-    full_table: Tensor  # [Bs, w] whole page table (dense layers of sparse-mode rows)
-    full_ctx: Tensor  # [Bs]
-    offload: Tensor  # [Bs] bool
-    reselect: Tensor | None  # [Bs] bool rows due for a new selection; None: all
-    query_slots: Tensor  # [Bs] where this step's query goes in the recent-query ring
-    # Host-side copies of what each layer branches on, so no layer waits on a device sync.
-    max_selected: int = 0
-    any_offload: bool = False
-    any_reselect: bool = True
-
-
-@dataclass
-class QueryCapture:
-    """Prefill rows whose queries (the prompt's last `scoring_queries` tokens) are kept for scoring."""
-
-    src: Tensor  # [M] rows of the step's prefill queries
-    rows: Tensor  # [M] store rows
-    slots: Tensor  # [M] ring slots
 
 
 class SparseKV:
@@ -410,7 +357,7 @@ class SparseKV:
         return recent.view(Bs, self.W, self.Hkv, G, self.D).transpose(1, 2).reshape(Bs, -1, self.D)
 
     def metrics(self) -> tuple[Metric, ...]:
-        return METRICS
+        return ENGINE_METRICS
 
     def stats(self) -> dict[str, int]:
         cs = self.cache.stats

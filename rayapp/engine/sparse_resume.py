@@ -1,7 +1,7 @@
 """Sparse retrieval's side of a long history resumed from the cluster tier: its middle goes to the host pool.
 
 A prompt that sparse retrieval offloads (longer than `offload_boundary`) keeps its middle blocks in host
-memory once prefilled. Loaded from the tier, the same blocks go there directly (`KVTransfer.install` asks
+memory once prefilled. Loaded from the tier, the same blocks go there directly (`TierConnector.install` asks
 `host_range`, then `resume_to_host`): they are copied into the `SparseKV` host pool and represented there,
 the sequence's `host_pages` make admission map their pages to `OFFLOADED`, and only the init pages and
 the window take device pages. The prefill of the prompt's uncached tail attends to that middle from host
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from rayapp.engine.block_manager import OFFLOADED
+from rayapp.engine.pages import OFFLOADED
 from rayapp.engine.sequence import Sequence
 from rayapp.kernels.retrieval import block_representation
 from rayapp.sparse.policy import AttentionMode
 
 if TYPE_CHECKING:
-    from rayapp.engine.kv_transfer import TierBlock
     from rayapp.engine.sparse_kv import SparseKV
+    from rayapp.engine.tier_connector import TierBlock
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`KVTierClient`: one engine's side of the cluster tier (the `TierPort` of `rayapp.engine.kv_transfer`).
+"""`KVTierClient`: one engine's side of the cluster tier (the `TierPort` of `rayapp.engine.tier_connector`).
 
 Writes go through a queue to one background thread, which skips blocks the catalog already has,
 encodes the rest and hands them to the node's `KVTierStore` in one `put_many` per run: the engine

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from rayapp.config import SparseConfig
-from rayapp.observability import counters, gauges
+from rayapp.sparse.metrics import PLUGIN_METRICS
 
 logger = logging.getLogger("rayapp.retrieval")
 
@@ -106,21 +106,7 @@ def register() -> None:
 class RetrievalStats:
     """What the backend did in this process: counters since start, gauges of the last step."""
 
-    METRICS = counters(
-        {
-            "sparse_decode_steps_dense": "Decode steps of sequences attending densely, summed over sequences",
-            "sparse_decode_steps_sparse": "Decode steps of sequences attending sparsely, summed over sequences",
-            "sparse_selected_blocks": "Middle retrieval blocks selected for attention, summed over steps and layers",
-            "sparse_blocks_represented": "Retrieval blocks whose representation was computed (prefix-cached ones "
-            "are kept)",
-        }
-    ) + gauges(
-        {
-            "sparse_running_dense": "Sequences that decoded densely in the last step",
-            "sparse_running_sparse": "Sequences that decoded sparsely in the last step",
-            "sparse_selected_blocks_last_step": "Retrieval blocks selected in the last step",
-        }
-    )
+    METRICS = PLUGIN_METRICS
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

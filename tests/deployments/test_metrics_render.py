@@ -6,8 +6,8 @@ import re
 
 from rayapp.deployments.metrics import render_prometheus
 from rayapp.engine.llm_engine import METRICS as ENGINE_METRICS
-from rayapp.engine.sparse_kv import METRICS as SPARSE_METRICS
 from rayapp.observability import LATENCY_BUCKETS_S
+from rayapp.sparse.metrics import ENGINE_METRICS as SPARSE_METRICS
 
 EMPTY = ([0] * (len(LATENCY_BUCKETS_S) + 1), 0.0)
 
@@ -42,3 +42,18 @@ def test_sparse_series_only_for_replicas_with_sparse_attention_and_routers_summe
     assert series(text, "rayapp_router_predicted_cached_tokens_total") == {"": 64}
     assert series(text, "rayapp_prefix_index_blocks") == {"": 9}
     assert series(text, "rayapp_ingress_moved_requests_total") == {"": 1}
+
+
+def test_every_metric_an_engine_declares_reaches_metrics_without_a_table_in_deployments():
+    from rayapp.deployments.metrics import ReplicaMetrics
+    from rayapp.observability import Metric
+
+    declared = (*ENGINE_METRICS, *SPARSE_METRICS, Metric("made_up_extension_counter", "Declared by a new extension"))
+    metrics = ReplicaMetrics("r")
+    metrics.declare(declared)
+    stats = {m.name: 3 for m in declared} | {"not_declared": 1}
+    text = render_prometheus({"r": metrics.snapshot(stats)}, {}, None, {}, 0, 0).decode()
+    for m in declared:
+        name = f"rayapp_{m.name}" + ("_total" if m.kind == "counter" else "")
+        assert series(text, name) == {'{replica="r"}': 3}, name
+    assert "not_declared" not in text

@@ -10,7 +10,8 @@ import pytest
 
 from rayapp import blocks as kv_events
 from rayapp.blocks import AllCleared, BlockHash, BlockRemoved, BlockStored, hash_block, hash_blocks
-from rayapp.engine.block_manager import BlockManager, PageCopy, PrefixMatch
+from rayapp.engine.block_manager import BlockManager
+from rayapp.engine.pages import PageCopy, PrefixMatch
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.engine.sequence import Sequence
 

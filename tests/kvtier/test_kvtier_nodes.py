@@ -97,13 +97,12 @@ def test_a_turn_served_on_one_node_resumes_on_another_and_a_dead_nodes_blocks_ar
 
     # The same turn recomputed (no tier, empty cache) answers exactly the same.
     engine = head.engine
-    transfer, on_stored = engine.kv_transfer, engine.block_manager.on_stored
-    engine.kv_transfer = engine.block_manager.on_stored = None
+    tier = engine.detach_tier()
     assert engine.block_manager.reset_prefix_cache()
     recomputed = head.chat(messages, PARAMS)[0]
     assert recomputed.num_cached_tokens == 0
     assert resumed.outputs[0].token_ids == recomputed.outputs[0].token_ids
-    engine.kv_transfer, engine.block_manager.on_stored = transfer, on_stored
+    engine.attach_tier(tier)
 
     # The worker node dies: its object store, and every block in it, go with it.
     nodes.remove_node(worker)

@@ -65,8 +65,7 @@ def test_second_engine_resumes_the_conversation_from_the_tier(engines):
     assert resumed.num_cached_tokens == after["cached_prompt_tokens"] - before["cached_prompt_tokens"] >= loaded
 
     # The same turn recomputed from scratch (A's cache dropped, B's not asked): identical greedy output.
-    a.engine.kv_transfer = None  # A neither loads nor writes now
-    a.engine.block_manager.on_stored = None
+    a.engine.detach_tier()  # A neither loads nor writes now
     assert a.engine.block_manager.reset_prefix_cache()
     recomputed = a.chat(messages, PARAMS)[0]
     assert recomputed.num_cached_tokens == 0

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from rayapp import LLM, SamplingParams
-from rayapp.engine.block_manager import OFFLOADED
+from rayapp.engine.pages import OFFLOADED
 from rayapp.kvtier.embedded import stop_embedded_database
 from rayapp.sparse.evaluation import SCALED_SPARSE, needle_case
 
@@ -50,7 +50,7 @@ def test_a_resumed_offload_history_keeps_its_middle_in_host_memory_and_answers_a
     llm = LLM(dtype="float32", sparse=SPARSE, kvtier=tier_options)
     engine = llm.engine
     request = engine.prepare_request("resumed", prompt_token_ids=history, params=GREEDY)
-    engine.load_from_tier(request)
+    engine.tier.load_now(request.seq)
     seq = request.seq
     policy = engine.sparse.policy
     middle = policy.num_middle_blocks(len(history) + 1)
@@ -88,7 +88,7 @@ def test_a_resumed_history_whose_init_pages_were_evicted_before_admission_is_rec
     llm = LLM(dtype="float32", sparse=SPARSE, kvtier=tier_options)
     engine, bm = llm.engine, llm.engine.block_manager
     request = engine.prepare_request("evicted", prompt_token_ids=history, params=GREEDY)
-    engine.load_from_tier(request)
+    engine.tier.load_now(request.seq)
     seq = request.seq
     assert seq.host_pages
     hog = engine.prepare_request("hog", prompt_token_ids=[1], params=GREEDY).seq

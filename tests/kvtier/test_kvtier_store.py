@@ -16,8 +16,9 @@ import torch
 from rayapp.blocks import BlockHash, hash_blocks
 from rayapp.kvtier.catalog import BlockRow, Catalog, ChainMatch, TierUsage
 from rayapp.kvtier.codec import KVBlock, decode_block, encode_block
-from rayapp.kvtier.embedded import EmbeddedPostgres, _free_port, start_embedded_database, stop_embedded_database
+from rayapp.kvtier.embedded import start_embedded_database, stop_embedded_database
 from rayapp.kvtier.loader import load_chain
+from rayapp.kvtier.postgres import EmbeddedPostgres, _free_port
 from rayapp.kvtier.store import STORE_CONCURRENCY, KVTierStore, PutResult, get_or_create_store, store_name
 
 DIM = 192  # the session catalog's representation size (tests/kvtier/conftest.py)
