@@ -85,6 +85,12 @@ class TierPort(Protocol):
         this engine wrote, and blocks that left the tier (for the prefix router)."""
         ...
 
+    def stats(self) -> dict[str, int]:
+        """The tier's own counters (blocks written, loaded...), named as `metrics` declares them."""
+        ...
+
+    def metrics(self) -> tuple[Metric, ...]: ...
+
 
 @dataclass(frozen=True)
 class TierAsk:
@@ -265,10 +271,10 @@ class TierConnector:
             state.pop(seq.seq_id, None)
 
     def stats(self) -> dict[str, int]:
-        return dict(self.counters)
+        return {**self.counters, **self.tier.stats()}
 
     def metrics(self) -> tuple[Metric, ...]:
-        return METRICS
+        return METRICS + self.tier.metrics()
 
     def take_events(self) -> list[BlockStored | BlockRemoved]:
         """Blocks written to or gone from the tier since the last call (for the prefix router)."""

@@ -34,12 +34,21 @@ from rayapp.kvtier.embedded import start_embedded_database
 from rayapp.kvtier.loader import load_chain
 from rayapp.kvtier.records import ChainMatch
 from rayapp.kvtier.store import get_or_create_store
+from rayapp.observability import Metric, counters
 
 if TYPE_CHECKING:
     from rayapp.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("rayapp.kvtier")
 
+METRICS = counters(
+    {
+        "tier_written_blocks": "Blocks this engine wrote to the cluster KV tier",
+        "tier_skipped_blocks": "Blocks not written because the tier already held them",
+        "tier_dropped_blocks": "Blocks not written because the writer was too far behind (the tier is a cache)",
+        "tier_loaded_blocks": "Blocks this engine loaded from the cluster KV tier",
+    }
+)
 # Copied pages waiting for the writer thread, at most: past it new blocks are not written (the tier is a
 # cache; an engine must not grow without bound because the object store or the database is slow).
 MAX_PENDING_BYTES = 512 << 20
@@ -98,6 +107,14 @@ class KVTierClient:
         with self._lock:
             self.counters["loaded_blocks"] += len(blocks)
         return blocks
+
+    def stats(self) -> dict[str, int]:
+        """This client's counters, named as `METRICS` declares them."""
+        with self._lock:
+            return {f"tier_{name}": n for name, n in self.counters.items()}
+
+    def metrics(self) -> tuple[Metric, ...]:
+        return METRICS
 
     def take_events(self) -> list[BlockStored | BlockRemoved]:
         """What the tier gained and lost since the last call, in order, `tier="cluster"`, for the prefix router:

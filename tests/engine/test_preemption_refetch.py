@@ -57,6 +57,12 @@ class MemoryTier:
     def take_events(self) -> list:
         return []
 
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def metrics(self) -> tuple:
+        return ()
+
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:

@@ -63,6 +63,9 @@ def test_second_engine_resumes_the_conversation_from_the_tier(engines):
     loaded = after["tier_loaded_tokens"] - before["tier_loaded_tokens"]
     assert loaded >= 0.9 * len(prompt), f"{loaded} of {len(prompt)} prompt tokens loaded from the tier"
     assert resumed.num_cached_tokens == after["cached_prompt_tokens"] - before["cached_prompt_tokens"] >= loaded
+    # The tier client's own counters are the engine's stats too (so they reach /metrics): A wrote, B loaded.
+    assert a.stats()["tier_written_blocks"] > 0
+    assert (after["tier_loaded_blocks"] - before["tier_loaded_blocks"]) * 16 >= loaded
 
     # The same turn recomputed from scratch (A's cache dropped, B's not asked): identical greedy output.
     a.engine.detach_tier()  # A neither loads nor writes now
