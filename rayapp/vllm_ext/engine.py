@@ -40,13 +40,16 @@ from rayapp.engine.llm_engine import METRICS as ENGINE_METRICS
 from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampling_params import SamplingParams, StructuredOutput
 from rayapp.engine.structured import ANY_OBJECT
+from rayapp.engine.tier_connector import METRICS as TIER_METRICS
 from rayapp.kvtier import log_unavailable
+from rayapp.kvtier.client import METRICS as CLIENT_METRICS
 from rayapp.models.loader import DEFAULT_MODEL, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 from rayapp.observability import Metric, counters
 from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM, kv_transfer_config
 from rayapp.vllm_ext.kv_events import VLLMKVEvents
-from rayapp.vllm_ext.retrieval import WORKER_EXTENSION, RetrievalStats, register, settings_env
+from rayapp.vllm_ext.retrieval import RetrievalStats, register, settings_env
+from rayapp.vllm_ext.worker_extension import REPLICA_EXTENSION
 
 METRICS = counters(
     {"kv_events_lost_batches": "vLLM KV event batches the router's feed missed (the replica's entries were dropped)"}
@@ -72,8 +75,9 @@ def engine_kwargs(config: AppConfig) -> dict[str, Any]:
     if not sized and (on_cpu or "kv_cache_memory_gb" in config.model_fields_set):
         # On CPU vLLM would otherwise size the cache from the free memory of the whole host.
         kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gb * 2**30)
-    if config.sparse.sparse_config().enabled:
-        kwargs["worker_extension_cls"] = WORKER_EXTENSION  # the retrieval plugin's stats, for /metrics
+    if config.sparse.sparse_config().enabled or config.kvtier.enabled:
+        # The retrieval plugin's and the tier writer's stats live in vLLM's worker: read for /metrics.
+        kwargs["worker_extension_cls"] = REPLICA_EXTENSION
     # rayapp's stat logger below feeds /metrics; vLLM's own periodic log lines stay off unless asked for.
     kwargs.setdefault("disable_log_stats", True)
     structured = kwargs.get("structured_outputs_config") or {}
@@ -234,9 +238,10 @@ class VLLMBackend:
         cpu_slot: Any = None,
         tokenizer: Any = None,
         sparse: bool = False,
+        tier: bool = False,
     ) -> None:
         self.engine, self.events, self._stats, self.block_size = engine, events, stats, block_size
-        self._sparse = sparse
+        self._sparse, self._tier = sparse, tier
         self._cpu_slot = cpu_slot
         # rayapp's detokenizer reads moved answers with it (vLLM's cannot start from delivered output).
         self.tokenizer = tokenizer
@@ -272,7 +277,8 @@ class VLLMBackend:
         engine = AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_StatLogger, stats=stats)])
         block_size = config.kv_block_size()
         events = VLLMKVEvents(kv_events.endpoint, kv_events.replay_endpoint, model_id, block_size)
-        return cls(engine, events, stats, block_size, cpu_slot, load_tokenizer(model_dir), sparse.enabled)
+        tier = "kv_transfer_config" in kwargs and config.kvtier.enabled
+        return cls(engine, events, stats, block_size, cpu_slot, load_tokenizer(model_dir), sparse.enabled, tier)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
         prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
@@ -337,7 +343,8 @@ class VLLMBackend:
     async def metrics(self) -> tuple[Metric, ...]:
         """rayapp's engine metrics vLLM's stats give (the others it does not report), the KV event feed's, and the
         retrieval plugin's when it is on."""
-        return ENGINE_METRICS + METRICS + (RetrievalStats.METRICS if self._sparse else ())
+        metrics = ENGINE_METRICS + TIER_METRICS + METRICS
+        return metrics + (RetrievalStats.METRICS if self._sparse else ()) + (CLIENT_METRICS if self._tier else ())
 
     async def stats(self) -> dict[str, float]:
         total = self.engine.vllm_config.cache_config.num_gpu_blocks or 0
@@ -351,6 +358,8 @@ class VLLMBackend:
             "kv_events_lost_batches": self.events.lost_batches,
             # The retrieval plugin counts in vLLM's worker (one with this engine's single worker).
             **((await self.engine.collective_rpc("retrieval_stats"))[0] if self._sparse else {}),
+            # The tier's writer runs in vLLM's worker too.
+            **((await self.engine.collective_rpc("tier_stats"))[0] if self._tier else {}),
         }
 
     async def take_kv_events(self) -> list[KVEvent]:

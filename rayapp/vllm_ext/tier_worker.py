@@ -76,6 +76,19 @@ def _vllm_event(event: BlockStored | BlockRemoved) -> KVCacheEvent:
     return VLLMBlockRemoved(block_hashes=list(event.block_hashes), medium=TIER_MEDIUM)
 
 
+# The tier workers of this process (one per vLLM worker process), for `tier_stats`.
+_WORKERS: list[TierWorker] = []
+
+
+def tier_stats() -> dict[str, int]:
+    """The counters of this process's tier clients (`rayapp.kvtier.client.METRICS`), summed."""
+    total: dict[str, int] = {}
+    for worker in list(_WORKERS):
+        for name, n in worker.client.stats().items():
+            total[name] = total.get(name, 0) + n
+    return total
+
+
 class TierWorker:
     def __init__(self, settings: TierSettings, vllm_config: VllmConfig) -> None:
         model = vllm_config.model_config
@@ -98,6 +111,7 @@ class TierWorker:
         self._lock = threading.Lock()
         self._finished: dict[str, list[int]] = {}  # request id -> its pages that did not load
         self._failed_pages: set[int] = set()
+        _WORKERS.append(self)
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         """Take vLLM's KV caches. A layout `PagedKV` cannot read turns the tier off for this engine (one error
@@ -165,5 +179,7 @@ class TierWorker:
         return TierEvents([_vllm_event(e) for e in events]) if events else None
 
     def close(self) -> None:
+        if self in _WORKERS:
+            _WORKERS.remove(self)
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.client.close()

@@ -87,6 +87,9 @@ def test_cold_replica_serves_turn_two_from_the_tier(config, base_url):
     messages = [{"role": "user", "content": f"{HISTORY}\nWhere did the amber lamp go first?"}]
     first = _chat(base_url, "tier-a", messages)
     _wait_for_tier(config, "tier-a", first["usage"]["prompt_tokens"])
+    # The writer's own counters reach the replica's stats (and /metrics), from vLLM's worker process too.
+    written = serve.get_deployment_handle("LLMReplica", app_name="tier-a").stats.remote().result()
+    assert written["tier_written_blocks"] >= first["usage"]["prompt_tokens"] // config.kv_block_size()
     messages += [
         {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
         {"role": "user", "content": "And the white one?"},
