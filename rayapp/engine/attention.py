@@ -9,7 +9,7 @@ selected middle blocks, the window), or over its own per-layer tables once layer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,16 +62,53 @@ class AttentionMetadata:
 
     slot_mapping: Tensor  # [T] page * block_size + offset of every new token
     num_decode_tokens: int  # the first tokens are decodes, one per sequence
-    decode_page_table: Tensor  # [Bd, max_pages]
-    decode_context_lens: Tensor  # [Bd]
     prefill_page_table: Tensor  # [Bp, max_pages]
     prefill_query_start_loc: Tensor  # [Bp + 1]
     prefill_context_lens: Tensor  # [Bp]
-    sparse_plan: DecodePlan | None = None  # set when some decode rows attend sparsely
+    # The decode rows, each in exactly one group: how they attend.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     sparse_capture: QueryCapture | None = None  # prefill queries kept to score retrieval blocks
     # Prefill rows whose middle is in the sparse host pool: row -> (first page, host block ids).
     prefill_host: dict[int, tuple[int, Tensor]] | None = None
     layerwise: LayerwisePlan | None = None  # set when rows are compacted or prefill rows score their prompt
+
+
+class DenseDecode:
+    """Decode rows over their token-ordered page tables."""
+
+    def __init__(self, table: Tensor, context_lens: Tensor, scale: float) -> None:
+        self.table, self.context_lens, self.scale = table, context_lens, scale  # [B, w], [B]
+
+    def __call__(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return paged_decode_attention(q, k_cache, v_cache, self.table, self.context_lens, self.scale)
+
+
+class SparseDecode:
+    """Decode rows in a sparse retrieval mode: init pages, their selected middle blocks, the window."""
+
+    def __init__(self, sparse: SparseKV, plan: DecodePlan, scale: float) -> None:
+        self.sparse, self.plan, self.scale = sparse, plan, scale
+
+    def __call__(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return self.sparse.attend(layer, q, k_cache, v_cache, self.plan, self.scale)
+
+
+class CompactedDecode:
+    """Decode rows of sequences layer-wise compression compacted: each layer over its own slot table."""
+
+    def __init__(self, layerwise: LayerwiseKV, plan: LayerwisePlan, scale: float) -> None:
+        self.layerwise, self.plan, self.scale = layerwise, plan, scale
+
+    def __call__(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        return self.layerwise.attend(layer, q, self.plan, self.scale)
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows that attend one way (`attend(layer, q, k_cache, v_cache)`, q: [rows, Hq, D])."""
+
+    rows: Tensor | None  # their indices among the step's decode rows; None: all of them
+    attend: DenseDecode | SparseDecode | CompactedDecode
 
 
 class PagedAttention:
@@ -119,27 +156,10 @@ class PagedAttention:
         return torch.cat([self._decode(layer, q[:nd], kc, vc), prefill])
 
     def _decode(self, layer: int, q: Tensor, kc: Tensor, vc: Tensor) -> Tensor:
-        m, lw = self.meta, self.meta.layerwise
-        if lw is None or lw.compact_idx is None:
-            return self._shared_table(layer, q, kc, vc, m.decode_page_table, m.decode_context_lens)
-        assert self.layerwise is not None and lw.dense_idx is not None
+        groups = self.meta.decode_groups
+        if len(groups) == 1 and groups[0].rows is None:
+            return groups[0].attend(layer, q, kc, vc)
         out = torch.empty_like(q)
-        if lw.dense_idx.numel():
-            out[lw.dense_idx] = self._shared_table(layer, q[lw.dense_idx], kc, vc, lw.dense_table, lw.dense_ctx)
-        out[lw.compact_idx] = self.layerwise.attend(layer, q[lw.compact_idx], lw, self.scale)
-        return out
-
-    def _shared_table(self, layer: int, q: Tensor, kc: Tensor, vc: Tensor, table: Tensor, ctx: Tensor) -> Tensor:
-        """Decode rows that read the shared page table (all but compacted ones): dense, or sparse where
-        the sparse plan (made for exactly these rows, in this order) says so."""
-        plan = self.meta.sparse_plan
-        if plan is None:
-            return paged_decode_attention(q, kc, vc, table, ctx, self.scale)
-        assert self.sparse is not None
-        out = torch.empty_like(q)
-        if plan.dense_idx.numel():
-            out[plan.dense_idx] = paged_decode_attention(
-                q[plan.dense_idx], kc, vc, plan.dense_table, plan.dense_ctx, self.scale
-            )
-        out[plan.sparse_idx] = self.sparse.attend(layer, q[plan.sparse_idx], kc, vc, plan, self.scale)
+        for group in groups:
+            out[group.rows] = group.attend(layer, q[group.rows], kc, vc)
         return out

@@ -83,9 +83,6 @@ class LayerwisePlan:
 
     capture: CaptureBatch | None
     compact_idx: Tensor | None = None  # [Bc] decode rows of compacted sequences
-    dense_idx: Tensor | None = None  # [Bd] the other decode rows
-    dense_table: Tensor | None = None  # [Bd, w]
-    dense_ctx: Tensor | None = None  # [Bd]
     tables: list[Tensor] | None = None  # per layer [Bc, w_l] slot pages (as wide as that layer needs)
     context_lens: Tensor | None = None  # [L, Bc] tokens per layer, this step's included
     slots: Tensor | None = None  # [L, T] flat slot of every token of the step, per layer
@@ -152,21 +149,12 @@ class LayerwiseKV:
         plan = LayerwisePlan(self._plan_capture(seqs, num_decodes, starts, num_new, tables))
         comp = [i for i in range(num_decodes) if seqs[i].compacted]
         if comp:
-            self._plan_compacted(plan, seqs, num_decodes, comp, tables, slot_mapping)
+            self._plan_compacted(plan, seqs, comp, slot_mapping)
         return None if plan.capture is None and plan.compact_idx is None else plan
 
-    def _plan_compacted(
-        self,
-        plan: LayerwisePlan,
-        seqs: list[Sequence],
-        num_decodes: int,
-        comp: list[int],
-        tables: Tensor,
-        slot_mapping: Tensor,
-    ) -> None:
+    def _plan_compacted(self, plan: LayerwisePlan, seqs: list[Sequence], comp: list[int], slot_mapping: Tensor) -> None:
         bs = self.bs
         states = [self._compacted[seqs[i].seq_id] for i in comp]
-        dense = [i for i in range(num_decodes) if not seqs[i].compacted]
         lens = self._tensor([st.lens for st in states])  # [Bc, L]
         table = torch.stack([st.table for st in states])  # [Bc, L, max_pages]
         # new: [Bc, L] flat slot of this step's token in each layer
@@ -179,12 +167,7 @@ class LayerwiseKV:
         slots = slot_mapping[None] + offsets  # [L, T]
         comp_t = self._tensor(comp)
         slots[:, comp_t] = new.T
-        dense_t = self._tensor(dense)
-        dense_w = max((len(seqs[i].block_table) for i in dense), default=0)
         plan.compact_idx = comp_t
-        plan.dense_idx = dense_t
-        plan.dense_table = tables[dense_t, :dense_w]
-        plan.dense_ctx = self._tensor([seqs[i].num_computed_tokens + 1 for i in dense])
         plan.tables = [table[:, layer, : widths[layer]] for layer in range(self.L)]
         plan.context_lens = ctx.T.contiguous()
         plan.slots = slots

@@ -11,7 +11,14 @@ import torch
 from torch import Tensor
 
 from rayapp.config import DTYPES, EngineConfig
-from rayapp.engine.attention import AttentionMetadata, PagedAttention
+from rayapp.engine.attention import (
+    AttentionMetadata,
+    CompactedDecode,
+    DecodeGroup,
+    DenseDecode,
+    PagedAttention,
+    SparseDecode,
+)
 from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampler import Sampler, token_logprobs
 from rayapp.engine.scheduler import ScheduledBatch
@@ -23,7 +30,7 @@ from rayapp.models.loader import ModelSpec, load_state_dict
 from rayapp.sparse.policy import RetrievalPolicy
 
 if TYPE_CHECKING:
-    from rayapp.engine.layerwise_kv import LayerwiseKV
+    from rayapp.engine.layerwise_kv import LayerwiseKV, LayerwisePlan
     from rayapp.engine.pages import PageCopy
     from rayapp.engine.sparse_kv import SparseKV
 
@@ -135,29 +142,51 @@ class ModelRunner:
         # A compacted sequence's table lists pages, not token positions: its column is clamped here and
         # its slot in each layer comes from the layer-wise plan.
         slots = tables[seq_of_token, (positions // bs).clamp(max=tables.shape[1] - 1)] * bs + positions % bs
-        decode_width = max((len(s.block_table) for s in batch.seqs[:nd]), default=0)
         prefill_lens = [a + n for a, n in zip(starts[nd:], batch.num_new_tokens[nd:])]
         meta = AttentionMetadata(
             slot_mapping=slots,
             num_decode_tokens=nd,
-            # Decode reads every page its table names: keep its table no wider than the decodes need.
-            decode_page_table=tables[:nd, :decode_width],
-            decode_context_lens=self._tensor([a + 1 for a in starts[:nd]]),
             prefill_page_table=tables[nd:],
             # The decodes fill the first nd rows, one token each.
             prefill_query_start_loc=self._tensor([0] + [e - nd for e in ends[nd:]]),
             prefill_context_lens=self._tensor(prefill_lens),
         )
-        # Compacted rows attend through their own tables; sparse retrieval plans the others, in order.
-        shared = [i for i in range(nd) if not batch.seqs[i].compacted]
-        if self.sparse is not None and shared:
-            meta.sparse_plan = self.sparse.plan([batch.seqs[i] for i in shared], tables[self._tensor(shared)])
         if self.sparse is not None and nd < len(batch.seqs):
             meta.sparse_capture = self.sparse.plan_capture(batch.seqs[nd:], starts[nd:], batch.num_new_tokens[nd:])
             meta.prefill_host = self.sparse.resume.plan_prefill_host(batch.seqs[nd:])
         if self.layerwise is not None:
             meta.layerwise = self.layerwise.plan(batch.seqs, nd, starts, batch.num_new_tokens, tables, slots)
+        if nd:
+            meta.decode_groups = self._decode_groups(batch.seqs[:nd], tables[:nd], meta.layerwise)
         return self._tensor(ids), positions, meta, sample_rows, sample_seqs
+
+    def _decode_groups(self, seqs: list[Sequence], tables: Tensor, lw: LayerwisePlan | None) -> list[DecodeGroup]:
+        """Each decode row in one group: compacted rows over their own tables; the others as sparse retrieval
+        plans them (in their order), dense where it does not."""
+        compacted = [i for i, s in enumerate(seqs) if s.compacted]
+        shared = [i for i, s in enumerate(seqs) if not s.compacted]
+        groups = []
+        if compacted:
+            assert self.layerwise is not None and lw is not None
+            groups.append(DecodeGroup(self._tensor(compacted), CompactedDecode(self.layerwise, lw, self.scale)))
+        if not shared:
+            return groups
+        rows = None if not compacted else self._tensor(shared)
+        shared_tables = tables if rows is None else tables[rows]
+        plan = None if self.sparse is None else self.sparse.plan([seqs[i] for i in shared], shared_tables)
+        if plan is None:
+            # Decode reads every page its table names: keep the table no wider than these rows need.
+            width = max(len(seqs[i].block_table) for i in shared)
+            ctx = self._tensor([seqs[i].num_computed_tokens + 1 for i in shared])
+            groups.append(DecodeGroup(rows, DenseDecode(shared_tables[:, :width], ctx, self.scale)))
+            return groups
+        assert self.sparse is not None
+        shared_t = self._tensor(shared)
+        if plan.dense_idx.numel():
+            dense = DenseDecode(plan.dense_table, plan.dense_ctx, self.scale)
+            groups.append(DecodeGroup(shared_t[plan.dense_idx], dense))
+        groups.append(DecodeGroup(shared_t[plan.sparse_idx], SparseDecode(self.sparse, plan, self.scale)))
+        return groups
 
     def _tensor(self, values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
