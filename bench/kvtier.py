@@ -52,11 +52,12 @@ def timed_load(llm: LLM, prompt: list[int]) -> tuple[float, float, int]:
     """Seconds of the tier fetch (catalog + object store + verify) and of the install, and blocks loaded."""
     seq = llm.engine.prepare_request("probe", prompt_token_ids=prompt, params=FIRST_TOKEN).seq
     tier = llm.engine.tier
-    ask = tier.ask(seq, llm.engine.block_manager.match_prefix(seq))
+    prefix = llm.engine.block_manager.match_prefix(seq)
+    ask = tier.ask(seq, prefix)
     t0 = time.perf_counter()
     load = tier.fetch(ask)
     t1 = time.perf_counter()
-    tier.install(seq, load)
+    tier.install(seq, load, prefix)
     return t1 - t0, time.perf_counter() - t1, len(load.blocks)
 
 

@@ -164,7 +164,7 @@ class TierConnector:
         if not self._has_room(seq, prefix):
             self._fetched[seq.seq_id] = load
             return Admission.HOLD
-        self.install(seq, load)
+        self.install(seq, load, prefix)
         return Admission.INSTALLED
 
     def take_finished(self) -> list[Sequence]:
@@ -204,8 +204,9 @@ class TierConnector:
             blocks = []
         return TierLoad(ask, blocks)
 
-    def install(self, seq: Sequence, load: TierLoad) -> tuple[int, int]:
-        """Write `load`'s blocks into free pages as cached blocks; returns the prompt token range they cover.
+    def install(self, seq: Sequence, load: TierLoad, local: PrefixMatch) -> tuple[int, int]:
+        """Write `load`'s blocks into free pages as cached blocks, after `local` (`seq`'s prefix match this
+        step); returns the prompt token range they cover.
 
         Stops at a block whose shape or dtype differ from this engine's pages (another dtype's K/V would change
         the output) or that is no longer the one `seq` needs; installs nothing when the local cache changed
@@ -213,7 +214,6 @@ class TierConnector:
         (`SparseKV.resume.host_range`): only its init and window pages take device pages.
         """
         bs, start, blocks = self.block_size, load.ask.local_blocks, load.blocks
-        local = self.block_manager.match_prefix(seq)
         if not blocks or local.num_tokens != start * bs:
             return (0, 0)
         k_pool = self.runner.k_cache
@@ -240,7 +240,8 @@ class TierConnector:
     def load_now(self, seq: Sequence) -> tuple[int, int]:
         """Ask, fetch and install `seq`'s blocks on the calling thread, for a sequence not yet queued (tests and
         benchmarks look at a loaded history before it runs); its admission then does not ask again."""
-        return self.install(seq, self.fetch(self.ask(seq, self.block_manager.match_prefix(seq))))
+        prefix = self.block_manager.match_prefix(seq)
+        return self.install(seq, self.fetch(self.ask(seq, prefix)), prefix)
 
     # --- as an extension: counting, forgetting ------------------------------------------------------------------
 
@@ -255,6 +256,8 @@ class TierConnector:
 
     def after_step(self, seqs: list[Sequence]) -> None:
         """Count what the prefix match of sequences admitted with installed blocks took from them."""
+        if not self._installed:
+            return
         for seq in seqs:
             span = self._installed.pop(seq.seq_id, None)
             if span is not None:

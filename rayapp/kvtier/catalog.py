@@ -32,6 +32,7 @@ import numpy as np
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from rayapp.blocks import BlockHash
 from rayapp.kvtier.catalog_sql import NODE_INDEX, TABLE, UPSERT_COLUMNS, CatalogSQL, Dialect, detect_dialect
 from rayapp.kvtier.records import (
     BlockKey,
@@ -291,27 +292,31 @@ class Catalog:
 
         return self._run(work, False)
 
+    def locate(self, hashes: Sequence[int], layer_group: int = 0) -> dict[BlockHash, BlockLocation]:
+        """Where the tier holds those of `hashes` it holds, in one round trip ({} when unreachable)."""
+        if not hashes:
+            return {}
+        wanted = [to_db_hash(h) for h in hashes]
+
+        def work(conn: psycopg.Connection, sql: CatalogSQL) -> dict[BlockHash, BlockLocation]:
+            rows = conn.execute(sql.locate(), {"layer_group": layer_group, "hashes": wanted}).fetchall()
+            return {location.block_hash: location for location in map(_location, rows)}
+
+        return self._run(work, {})
+
     def longest_chain(self, hashes: Sequence[int], layer_group: int = 0) -> ChainMatch:
         """How many leading blocks of the chain `hashes` (in token order) the tier holds, and where.
 
         One round trip. Blocks after the first missing one are not returned: a later block's KV
         is useless without its prefix.
         """
-        if not hashes:
-            return ChainMatch()
-        wanted = [to_db_hash(h) for h in hashes]
-
-        def work(conn: psycopg.Connection, sql: CatalogSQL) -> ChainMatch:
-            rows = conn.execute(sql.locate(), {"layer_group": layer_group, "hashes": wanted}).fetchall()
-            found = {row[0]: _location(row) for row in rows}
-            locations: list[BlockLocation] = []
-            for h in wanted:
-                if h not in found:
-                    break
-                locations.append(found[h])
-            return ChainMatch(len(locations), tuple(locations))
-
-        return self._run(work, ChainMatch())
+        found = self.locate(hashes, layer_group)
+        locations: list[BlockLocation] = []
+        for h in hashes:
+            if h not in found:
+                break
+            locations.append(found[h])
+        return ChainMatch(len(locations), tuple(locations))
 
     def topk_inner_product(
         self, hashes: Sequence[int], query: Sequence[float] | np.ndarray, k: int, layer_group: int = 0

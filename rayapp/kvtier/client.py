@@ -1,12 +1,16 @@
 """`KVTierClient`: one engine's side of the cluster tier (the `TierPort` of `rayapp.engine.tier_connector`).
 
-Writes go through a queue to one background thread, which skips blocks the catalog already has,
-encodes the rest and hands them to the node's `KVTierStore` in one `put_many` per run: the engine
-thread only copies pages and enqueues. What the tier gained and lost through those puts is kept as
-events for the prefix router (`take_events`): the blocks written, and the blocks the store reports
-gone (evicted for room, or rows of a dead node it pruned). Reads (`fetch`) ask the catalog for the
-longest stored continuation of a prompt's hash chain and load it through `loader.load_chain`, which
-verifies every block (hash, parent, token ids, tenant) before the engine sees it.
+Writes go through a queue to one background thread: the engine thread only copies pages and enqueues.
+The thread takes the runs queued within `COALESCE_S` of the first as one batch, skips blocks the
+catalog already has (one query), encodes the rest and hands them to the node's `KVTierStore` in one
+`put_many`. Batching is what keeps the tier cheap: each call costs the engine, the store and the raylet
+milliseconds of CPU whatever its size, and decode fills a block per sequence every few steps.
+
+What the tier gained and lost through those puts is kept as events for the prefix router
+(`take_events`): the blocks written, and the blocks the store reports gone (evicted for room, or rows
+of a dead node it pruned). Reads (`fetch`) ask the catalog for the longest stored continuation of a
+prompt's hash chain and load it through `loader.load_chain`, which verifies every block (hash, parent,
+token ids, tenant) before the engine sees it.
 
 The tier never fails a request: with the database unreachable the catalog disables itself with one
 warning, `fetch` returns nothing (the engine recomputes) and writes are dropped; a store or object
@@ -18,8 +22,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,35 +53,53 @@ METRICS = counters(
         "tier_skipped_blocks": "Blocks not written because the tier already held them",
         "tier_dropped_blocks": "Blocks not written because the writer was too far behind (the tier is a cache)",
         "tier_loaded_blocks": "Blocks this engine loaded from the cluster KV tier",
+        "tier_write_batches": "Calls that handed blocks to the node's tier store (runs queued together share one)",
     }
 )
 # Copied pages waiting for the writer thread, at most: past it new blocks are not written (the tier is a
 # cache; an engine must not grow without bound because the object store or the database is slow).
 MAX_PENDING_BYTES = 512 << 20
+# How long the writer waits for more runs after the first of a batch (so a block reaches the tier up to this much
+# later), and the most bytes of pages it takes into one. What batching saves: bench/kvtier_writes.py.
+COALESCE_S = 0.1
+MAX_BATCH_BYTES = 64 << 20
 # Hashes this client wrote recently, so a block cached again locally (after eviction) is not re-sent.
 _REMEMBERED_WRITES = 1 << 16
 
 
 class KVTierClient:
     """Connects one engine to the cluster tier: the catalog at `config.dsn` (or the embedded database,
-    started once per cluster when `dsn` is unset) and this node's store actor. Needs Ray initialized."""
+    started once per cluster when `dsn` is unset) and this node's store actor. Needs Ray initialized.
+    `coalesce_s` and `max_batch_bytes` bound the writer's batches (`max_batch_bytes=1`: one run per batch)."""
 
-    def __init__(self, config: KVTierConfig, model_id: str, block_size: int, representation_dim: int) -> None:
+    def __init__(
+        self,
+        config: KVTierConfig,
+        model_id: str,
+        block_size: int,
+        representation_dim: int,
+        *,
+        coalesce_s: float = COALESCE_S,
+        max_batch_bytes: int = MAX_BATCH_BYTES,
+    ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("the cluster KV tier needs Ray: call ray.init() first (the offline LLM does)")
         self.config = config
         self.model_id = model_id
         self.block_size = block_size
         self.min_load_tokens = config.min_load_tokens
+        self.coalesce_s, self.max_batch_bytes = coalesce_s, max_batch_bytes
         self.dsn = config.dsn or start_embedded_database(config.data_dir)
         self.catalog = Catalog(self.dsn, representation_dim)
         self.store = get_or_create_store(self.dsn, representation_dim, config.capacity_bytes)
-        self._queue: queue.Queue[tuple[BlockStored, str, torch.Tensor, torch.Tensor] | None] = queue.Queue()
+        self._queue: queue.Queue[_Run | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._events: list[BlockStored | BlockRemoved] = []
         self._written: OrderedDict[BlockHash, None] = OrderedDict()
-        self.counters = {"written_blocks": 0, "skipped_blocks": 0, "dropped_blocks": 0, "loaded_blocks": 0}
+        self.counters = dict.fromkeys(
+            ("written_blocks", "skipped_blocks", "dropped_blocks", "loaded_blocks", "write_batches"), 0
+        )
         self._thread = threading.Thread(target=self._write_loop, name="rayapp-kvtier-writer", daemon=True)
         self._thread.start()
 
@@ -89,7 +113,7 @@ class KVTierClient:
                 self.counters["dropped_blocks"] += len(stored.block_hashes)
                 return
             self._pending_bytes += nbytes
-        self._queue.put((stored, cache_salt, key, value))
+        self._queue.put(_Run(stored, cache_salt, key, value))
 
     def fetch(
         self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], cache_salt: str, start_block: int
@@ -138,59 +162,104 @@ class KVTierClient:
     # --- writer thread --------------------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
+        stopping = False
+        while not stopping:
+            batch, stopping = self._take_batch()
             try:
-                if item is None:
-                    return
-                self._write_run(*item)
+                if batch:
+                    self._write_batch(batch)
             except Exception:  # the tier is a cache: a failed write must not stop later ones
                 logger.exception("cluster KV tier: writing blocks failed")
             finally:
-                if item is not None:
-                    with self._lock:
-                        self._pending_bytes -= item[2].nbytes + item[3].nbytes
-                self._queue.task_done()
+                with self._lock:
+                    self._pending_bytes -= sum(run.nbytes for run in batch)
+                for _ in range(len(batch) + stopping):
+                    self._queue.task_done()
 
-    def _write_run(self, stored: BlockStored, cache_salt: str, key: torch.Tensor, value: torch.Tensor) -> None:
-        hashes = list(stored.block_hashes)
+    def _take_batch(self) -> tuple[list[_Run], bool]:
+        """The next runs to write: the first queued and those queued within `coalesce_s` of it, up to
+        `max_batch_bytes`; and whether `close` asked the writer to stop after them."""
+        run = self._queue.get()
+        batch: list[_Run] = []
+        nbytes = 0
+        deadline = time.monotonic() + self.coalesce_s
+        while run is not None:
+            batch.append(run)
+            nbytes += run.nbytes
+            wait = deadline - time.monotonic()
+            if nbytes >= self.max_batch_bytes or wait <= 0:
+                return batch, False
+            try:
+                run = self._queue.get(timeout=wait)
+            except queue.Empty:
+                return batch, False
+        return batch, True
+
+    def _write_batch(self, runs: list[_Run]) -> None:
         bs = self.block_size
-        # Blocks of a run chain, so the ones the catalog has are (nearly always) a leading part of it.
-        first = self.catalog.longest_chain(hashes).num_present
-        with self._lock:
-            while first < len(hashes) and hashes[first] in self._written:
-                first += 1
-        self.counters["skipped_blocks"] += first
-        if first == len(hashes):
+        held = self.catalog.locate([h for run in runs for h in run.stored.block_hashes])
+        blocks: list[np.ndarray] = []
+        starts = []  # per run: its first block to write, and where its blocks begin in `blocks`
+        for run in runs:
+            hashes, stored = run.stored.block_hashes, run.stored
+            # Blocks of a run chain, so the ones the tier has are (nearly always) a leading part of it.
+            first = 0
+            with self._lock:
+                while first < len(hashes) and (hashes[first] in held or hashes[first] in self._written):
+                    first += 1
+                self.counters["skipped_blocks"] += first
+            starts.append((first, len(blocks)))
+            for i in range(first, len(hashes)):
+                parent = hashes[i - 1] if i else stored.parent_block_hash
+                block = KVBlock(
+                    hashes[i], parent, tuple(stored.token_ids[i * bs : (i + 1) * bs]), self.model_id,
+                    run.key[:, i], run.value[:, i], run.cache_salt,
+                )  # fmt: skip
+                blocks.append(np.frombuffer(encode_block(block), np.uint8))
+        if not blocks:
             return
-        blocks = []
-        for i in range(first, len(hashes)):
-            parent = hashes[i - 1] if i else stored.parent_block_hash
-            block = KVBlock(
-                hashes[i], parent, tuple(stored.token_ids[i * bs : (i + 1) * bs]), self.model_id,
-                key[:, i], value[:, i], cache_salt,
-            )  # fmt: skip
-            blocks.append(np.frombuffer(encode_block(block), np.uint8))
         result = ray.get(self.store.put_many.remote(blocks))
-        kept = result.kept
-        written = [h for h, ok in zip(hashes[first:], kept) if ok]
-        n = len(written) if all(kept[: len(written)]) else kept.index(False)
         with self._lock:
+            self.counters["write_batches"] += 1
             if result.removed:
-                # Ahead of this run's BlockStored: those blocks left the tier before this run was stored.
+                # Ahead of this batch's BlockStored: those blocks left the tier before this batch was stored.
                 self._events.append(BlockRemoved(result.removed, Tier.CLUSTER))
                 for h in result.removed:  # gone from the tier: write it again when the engine caches it again
                     self._written.pop(h, None)
-            self.counters["written_blocks"] += len(written)
-            for h in written:
-                self._written[h] = None
-                self._written.move_to_end(h)
-            while len(self._written) > _REMEMBERED_WRITES:
-                self._written.popitem(last=False)
-            if n:
-                parent = hashes[first - 1] if first else stored.parent_block_hash
-                tokens = stored.token_ids[first * bs : (first + n) * bs]
-                self._events.append(BlockStored(tuple(hashes[first : first + n]), parent, tokens, bs, Tier.CLUSTER))
+            for run, (first, offset) in zip(runs, starts):
+                end = offset + len(run.stored.block_hashes) - first
+                self._note_written(run.stored, first, result.kept[offset:end])
+
+    def _note_written(self, stored: BlockStored, first: int, kept: Sequence[bool]) -> None:
+        """Count and remember the blocks of `stored` from `first` on that the store kept, and announce the
+        leading ones as a cluster-tier `BlockStored` (lock held)."""
+        hashes, bs = stored.block_hashes, self.block_size
+        written = [h for h, ok in zip(hashes[first:], kept) if ok]
+        n = len(written) if all(kept[: len(written)]) else kept.index(False)
+        self.counters["written_blocks"] += len(written)
+        for h in written:
+            self._written[h] = None
+            self._written.move_to_end(h)
+        while len(self._written) > _REMEMBERED_WRITES:
+            self._written.popitem(last=False)
+        if n:
+            parent = hashes[first - 1] if first else stored.parent_block_hash
+            tokens = stored.token_ids[first * bs : (first + n) * bs]
+            self._events.append(BlockStored(tuple(hashes[first : first + n]), parent, tokens, bs, Tier.CLUSTER))
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Blocks queued for the tier: a run of `BlockStored` and its pages' K and V ([L, n, bs, Hkv, D])."""
+
+    stored: BlockStored
+    cache_salt: str
+    key: torch.Tensor
+    value: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.key.nbytes + self.value.nbytes
 
 
 def attach_tier(engine: LLMEngine) -> KVTierClient:

@@ -54,6 +54,9 @@ from rayapp.vllm_ext.worker_extension import REPLICA_EXTENSION
 METRICS = counters(
     {"kv_events_lost_batches": "vLLM KV event batches the router's feed missed (the replica's entries were dropped)"}
 )
+# Of the tier connector's counters, the ones a vLLM replica reports (`_usage`): vLLM's connector does not tell a
+# preempted request's reload from a first load.
+LOADED_TOKENS = tuple(metric for metric in TIER_METRICS if metric.name == "tier_loaded_tokens")
 
 # AppConfig fields that map onto AsyncEngineArgs as they are, when the user set them (else vLLM's defaults hold);
 # the page size and the KV cache size are placed below.
@@ -343,7 +346,7 @@ class VLLMBackend:
     async def metrics(self) -> tuple[Metric, ...]:
         """rayapp's engine metrics vLLM's stats give (the others it does not report), the KV event feed's, and the
         retrieval plugin's when it is on."""
-        metrics = ENGINE_METRICS + TIER_METRICS + METRICS
+        metrics = ENGINE_METRICS + LOADED_TOKENS + METRICS
         return metrics + (RetrievalStats.METRICS if self._sparse else ()) + (CLIENT_METRICS if self._tier else ())
 
     async def stats(self) -> dict[str, float]:
@@ -356,11 +359,14 @@ class VLLMBackend:
             "pages_free": total - round(self._stats.kv_usage * total),
             "page_size": self.block_size,
             "kv_events_lost_batches": self.events.lost_batches,
-            # The retrieval plugin counts in vLLM's worker (one with this engine's single worker).
-            **((await self.engine.collective_rpc("retrieval_stats"))[0] if self._sparse else {}),
-            # The tier's writer runs in vLLM's worker too.
-            **((await self.engine.collective_rpc("tier_stats"))[0] if self._tier else {}),
+            # The retrieval plugin and the tier's writer count in vLLM's worker (one with this engine's single worker).
+            **(await self._worker_stats()),
         }
+
+    async def _worker_stats(self) -> dict[str, int]:
+        if not (self._sparse or self._tier):
+            return {}
+        return (await self.engine.collective_rpc("worker_stats", args=(self._sparse, self._tier)))[0]
 
     async def take_kv_events(self) -> list[KVEvent]:
         return self.events.take()

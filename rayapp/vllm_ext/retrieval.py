@@ -25,7 +25,7 @@ import os
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict
-from importlib.metadata import entry_points
+from importlib.metadata import distributions
 
 import torch
 from torch import Tensor
@@ -71,8 +71,9 @@ def settings_env(config: SparseConfig) -> dict[str, str]:
     `VLLM_PLUGINS` (vLLM loads every installed plugin but endpoint ones) becomes that list, named."""
     named = os.environ.get("VLLM_PLUGINS")
     if named is None:
-        groups = entry_points()
-        named = ",".join(sorted({p.name for p in groups if p.group.startswith("vllm.") and p.group != ENDPOINTS}))
+        # Each distribution's own entry points: `entry_points()` with no group is a dict of groups on Python < 3.12.
+        plugins = (p for dist in distributions() for p in dist.entry_points)
+        named = ",".join(sorted({p.name for p in plugins if p.group.startswith("vllm.") and p.group != ENDPOINTS}))
     if not plugin_named({"VLLM_PLUGINS": named}):
         named = ",".join(p for p in (named, PLUGIN_NAME) if p)
     values = {k: v for k, v in asdict(config).items() if k != "enabled"}

@@ -10,7 +10,11 @@ REPLICA_EXTENSION = "rayapp.vllm_ext.worker_extension.ReplicaWorkerExtension"
 
 
 class ReplicaWorkerExtension(RetrievalWorkerExtension):
-    def tier_stats(self) -> dict[str, int]:
-        from rayapp.vllm_ext.tier_worker import tier_stats  # Ray and the tier only where the tier is on
+    def worker_stats(self, retrieval: bool, tier: bool) -> dict[str, int]:
+        """The counters the replica asks for, in one call: the retrieval plugin's and the tier writer's."""
+        stats = self.retrieval_stats() if retrieval else {}
+        if tier:
+            from rayapp.vllm_ext.tier_worker import tier_stats  # Ray and the tier only where the tier is on
 
-        return tier_stats()
+            stats.update(tier_stats())
+        return stats

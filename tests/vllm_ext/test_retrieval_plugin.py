@@ -20,13 +20,19 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
-from rayapp.config import AppConfig  # noqa: E402
+from rayapp.config import AppConfig, SparseConfig  # noqa: E402
 from rayapp.engine.backend import EngineRequest  # noqa: E402
 from rayapp.engine.sampling_params import SamplingParams as RayappSamplingParams  # noqa: E402
 from rayapp.models.loader import resolve_model  # noqa: E402
 from rayapp.models.tokenizer import chat_token_ids, load_tokenizer  # noqa: E402
 from rayapp.sparse.evaluation import needle_case  # noqa: E402
-from rayapp.vllm_ext.retrieval import SETTINGS_ENV, WORKER_EXTENSION, register, retrieval_config  # noqa: E402
+from rayapp.vllm_ext.retrieval import (  # noqa: E402
+    SETTINGS_ENV,
+    WORKER_EXTENSION,
+    register,
+    retrieval_config,
+    settings_env,
+)
 
 SCALED = {"init_tokens": 64, "local_tokens": 512, "retrieval_block_size": 64, "dense_boundary": 1024}
 ENGINE = {"dtype": "float32", "block_size": 64, "kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
@@ -134,6 +140,15 @@ def test_the_plugin_stays_off_unless_vllm_plugins_names_it():
     with _environment(VLLM_PLUGINS="lora_filesystem_resolver, retrieval"):
         register()
         assert backend.get_path() == "rayapp.vllm_ext.retrieval_backend.RetrievalCPUBackend"
+
+
+def test_a_replica_with_vllm_plugins_unset_names_every_installed_plugin_and_retrieval(monkeypatch):
+    # Unset, vLLM loads every installed plugin but endpoint ones; listing them keeps that and adds retrieval.
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    env = settings_env(SparseConfig(enabled=True, **SCALED))
+    named = env["VLLM_PLUGINS"].split(",")
+    assert "retrieval" in named and "lora_filesystem_resolver" in named
+    assert json.loads(env[SETTINGS_ENV])["init_tokens"] == 64
 
 
 def test_settings_are_the_seed_environment_checked_as_rayapps():
