@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import itertools
 import os
 import tempfile
 import uuid
@@ -185,29 +186,46 @@ def _own_text(detok: IncrementalDetokenizer, token_ids: list[int], finished: boo
 
 
 def bind_cpu_slot(config: AppConfig) -> Any:
-    """On CPU, give this replica's vLLM compute cores no other replica on the node computes on.
+    """On CPU, give this replica's vLLM compute cores apart from other replicas' where the node has them, and
+    never the cores vLLM keeps for its scheduler loops and the frontends.
 
-    vLLM's own choice (`VLLM_CPU_OMP_THREADS_BIND=auto`) binds every engine on a node to the same first
-    cores, so two replicas on one node would share one core and leave the rest idle. Each replica takes
-    the first free slot of `num_cpus` cores (at least one), held by a file lock for the life of the
-    process (a dead replica frees its slot), and binds vLLM's threads there. Leaves the environment
-    alone when the user set the binding, or when every slot is taken. Returns the held lock (or None).
+    vLLM's own choice (`VLLM_CPU_OMP_THREADS_BIND=auto`) binds every engine on a node to the same cores: all
+    but the last `VLLM_CPU_NUM_OF_RESERVED_CPU` (one per worker by default), which it leaves to the engine
+    core's scheduler loop and the API server. The first replica on a node keeps that choice. Each later one
+    takes the first free replica number on the node, held by a file lock for the life of the process (a dead
+    replica frees its number), and binds vLLM's threads to slot `number % slots` of `num_cpus` cores (at
+    least one) cut from the cores vLLM does not reserve. With more replicas than slots, replicas share
+    slots rather than spill onto the reserved cores: vLLM's worker and scheduler spin on the CPU between
+    steps, and with a spinning worker on every core the schedulers, the replicas and the ingress starve
+    (2 replicas on 2 cores, `bench/serve_multiturn.py --workloads 2x`: 11.8-18.6 output tok/s with a core
+    each, 42.7 sharing one). Leaves the environment alone when the user set the binding. Returns the held lock (or
+    None).
     """
     if config.device.split(":")[0] != "cpu" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return None
     cores = sorted(os.sched_getaffinity(0))
-    width = max(1, int(config.num_cpus))
-    for slot in range(len(cores) // width):
-        lock = open(Path(tempfile.gettempdir()) / f"rayapp-vllm-cpu-slot-{slot}.lock", "w")  # noqa: SIM115
+    reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)
+    compute = cores[:-reserved] if len(cores) > reserved else cores
+    width = min(max(1, int(config.num_cpus)), len(compute))
+    slots = len(compute) // width
+    number, lock = _replica_number()
+    if number > 0:  # number 0 keeps vLLM's automatic binding
+        slot = number % slots
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, compute[slot * width : (slot + 1) * width]))
+    return lock
+
+
+def _replica_number() -> tuple[int, Any]:
+    """The first vLLM replica number on this node that no live process holds, and its lock, held for the life
+    of this process."""
+    for number in itertools.count():
+        lock = open(Path(tempfile.gettempdir()) / f"rayapp-vllm-cpu-slot-{number}.lock", "w")  # noqa: SIM115
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
             continue
-        if slot > 0:  # slot 0 is what vLLM's auto binding picks (and it keeps a core free for the frontend)
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores[slot * width : (slot + 1) * width]))
-        return lock
-    return None
+        return number, lock
 
 
 def keep_frontend_core(config: AppConfig, kwargs: dict[str, Any]) -> None:
@@ -275,8 +293,8 @@ class VLLMBackend:
         model_dir = resolve_model(config.model)
         args = AsyncEngineArgs(model=str(model_dir), kv_events_config=kv_events, **kwargs)
         stats = _EngineStats()
+        keep_frontend_core(config, kwargs)  # first: the binding keeps clear of the cores it reserves
         cpu_slot = bind_cpu_slot(config)
-        keep_frontend_core(config, kwargs)
         engine = AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_StatLogger, stats=stats)])
         block_size = config.kv_block_size()
         events = VLLMKVEvents(kv_events.endpoint, kv_events.replay_endpoint, model_id, block_size)

@@ -1,5 +1,5 @@
-"""vLLM replicas sharing a CPU node compute on cores of their own, not all on vLLM's first core, and leave vLLM's
-scheduler loop its core with the cluster tier on."""
+"""vLLM replicas sharing a CPU node compute on cores of their own, not all on vLLM's first core, share cores
+rather than take the ones vLLM keeps for its scheduler loops, and leave those free with the cluster tier on."""
 
 from __future__ import annotations
 
@@ -46,12 +46,32 @@ def test_replicas_on_one_node_take_distinct_cores_and_a_dead_ones_core_is_reused
         lock.close()
 
 
-def test_a_replica_of_two_cpus_takes_two_cores_and_a_full_node_leaves_vllm_alone(node):
+def test_a_replica_of_two_cpus_takes_two_cores_and_replicas_beyond_the_free_cores_share_them(node):
     first, second = _replica(2), _replica(2)
-    assert second[1] == "2,3"
-    assert _replica(2) == (None, None)
+    # Cores 0-2 are vLLM's to compute on (3 is kept for its scheduler loops and the frontends): one slot of two.
+    assert second[1] == "0,1"
+    third = _replica(2)
+    assert third[1] == "0,1"
+    for lock, _ in (first, second, third):
+        lock.close()
+
+
+def test_on_two_cores_a_second_replica_computes_beside_the_first_not_on_the_schedulers_core(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv(BIND, raising=False)
+    first, second = _replica(0.5), _replica(0.5)
+    assert (first[1], second[1]) == (None, "0")
     first[0].close()
     second[0].close()
+
+
+def test_the_cores_vllm_reserves_are_never_a_slot(node, monkeypatch):
+    monkeypatch.setenv(RESERVED, "2")  # the tier's reservation, or a user's
+    replicas = [_replica(1) for _ in range(4)]
+    assert [bind for _, bind in replicas] == [None, "1", "0", "1"]
+    for lock, _ in replicas:
+        lock.close()
 
 
 def test_a_users_binding_wins(node, monkeypatch):
