@@ -198,14 +198,14 @@ def bind_cpu_slot(config: AppConfig) -> Any:
     slots rather than spill onto the reserved cores: vLLM's worker and scheduler spin on the CPU between
     steps, and with a spinning worker on every core the schedulers, the replicas and the ingress starve
     (2 replicas on 2 cores, `bench/serve_multiturn.py --workloads 2x`: 11.8-18.6 output tok/s with a core
-    each, 42.7 sharing one). Leaves the environment alone when the user set the binding. Returns the held lock (or
-    None).
+    each, 42.7 sharing one). Leaves the environment alone when the user set the binding. Returns the held
+    lock (or None).
     """
     if config.device.split(":")[0] != "cpu" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return None
     cores = sorted(os.sched_getaffinity(0))
     reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)
-    compute = cores[:-reserved] if len(cores) > reserved else cores
+    compute = cores[: len(cores) - reserved] if len(cores) > reserved else cores
     width = min(max(1, int(config.num_cpus)), len(compute))
     slots = len(compute) // width
     number, lock = _replica_number()

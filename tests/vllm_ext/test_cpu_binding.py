@@ -72,6 +72,11 @@ def test_the_cores_vllm_reserves_are_never_a_slot(node, monkeypatch):
     assert [bind for _, bind in replicas] == [None, "1", "0", "1"]
     for lock, _ in replicas:
         lock.close()
+    monkeypatch.setenv(RESERVED, "0")  # nothing kept back: every core is a slot
+    replicas = [_replica(1) for _ in range(4)]
+    assert [bind for _, bind in replicas] == [None, "1", "2", "3"]
+    for lock, _ in replicas:
+        lock.close()
 
 
 def test_a_users_binding_wins(node, monkeypatch):
