@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import functools
-import itertools
 import os
 import tempfile
 import uuid
@@ -48,6 +46,7 @@ from rayapp.models.loader import DEFAULT_MODEL, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 from rayapp.observability import Metric, counters
 from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM, kv_transfer_config
+from rayapp.vllm_ext.cpu_binding import bind_cpu_slot, keep_frontend_core
 from rayapp.vllm_ext.kv_events import VLLMKVEvents
 from rayapp.vllm_ext.retrieval import RetrievalStats, register, settings_env
 from rayapp.vllm_ext.worker_extension import REPLICA_EXTENSION
@@ -183,68 +182,6 @@ def _own_text(detok: IncrementalDetokenizer, token_ids: list[int], finished: boo
     if finished:
         parts.append(detok.flush())
     return "".join(parts), read
-
-
-def bind_cpu_slot(config: AppConfig) -> Any:
-    """On CPU, give this replica's vLLM compute cores apart from other replicas' where the node has them, and
-    never the cores vLLM keeps for its scheduler loops and the frontends.
-
-    vLLM's own choice (`VLLM_CPU_OMP_THREADS_BIND=auto`) binds every engine on a node to the same cores: all
-    but the last `VLLM_CPU_NUM_OF_RESERVED_CPU` (one per worker by default), which it leaves to the engine
-    core's scheduler loop and the API server. The first replica on a node keeps that choice. Each later one
-    takes the first free replica number on the node, held by a file lock for the life of the process (a dead
-    replica frees its number), and binds vLLM's threads to slot `number % slots` of `num_cpus` cores (at
-    least one) cut from the cores vLLM does not reserve. With more replicas than slots, replicas share
-    slots rather than spill onto the reserved cores: vLLM's worker and scheduler spin on the CPU between
-    steps, and with a spinning worker on every core the schedulers, the replicas and the ingress starve
-    (2 replicas on 2 cores, `bench/serve_multiturn.py --workloads 2x`: 11.8-18.6 output tok/s with a core
-    each, 42.7 sharing one). Leaves the environment alone when the user set the binding. Returns the held
-    lock (or None).
-    """
-    if config.device.split(":")[0] != "cpu" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)
-    compute = cores[: len(cores) - reserved] if len(cores) > reserved else cores
-    width = min(max(1, int(config.num_cpus)), len(compute))
-    slots = len(compute) // width
-    number, lock = _replica_number()
-    if number > 0:  # number 0 keeps vLLM's automatic binding
-        slot = number % slots
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, compute[slot * width : (slot + 1) * width]))
-    return lock
-
-
-def _replica_number() -> tuple[int, Any]:
-    """The first vLLM replica number on this node that no live process holds, and its lock, held for the life
-    of this process."""
-    for number in itertools.count():
-        lock = open(Path(tempfile.gettempdir()) / f"rayapp-vllm-cpu-slot-{number}.lock", "w")  # noqa: SIM115
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            continue
-        return number, lock
-
-
-def keep_frontend_core(config: AppConfig, kwargs: dict[str, Any]) -> None:
-    """On CPU with the cluster tier, keep the cores vLLM's automatic binding leaves to the engine core's scheduler
-    loop and the frontends, as without a KV connector.
-
-    With any KV connector, vLLM reserves one more core per worker (for NIXL's transfers between prefill and
-    decode nodes); on a node with no more cores than that it reserves none, and its OMP threads share every core
-    with the scheduler's busy loop and the replica. Measured with one replica on 2 cores (bench/serve_multiturn.py
-    1x): 85-105 output tok/s, ITL p50 71-79 ms, against 127-147 tok/s and 48-51 ms with the core kept. The tier
-    connector needs no core of its own: its threads mostly wait on the object store and the database. A user's
-    `VLLM_CPU_NUM_OF_RESERVED_CPU` or explicit `VLLM_CPU_OMP_THREADS_BIND` wins.
-    """
-    auto = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"
-    if config.device.split(":")[0] != "cpu" or "kv_transfer_config" not in kwargs or not auto:
-        return
-    # vLLM's reservation without a connector: one core per worker of this node (x86, Arm and RISC-V).
-    workers = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(workers))
 
 
 class VLLMBackend:

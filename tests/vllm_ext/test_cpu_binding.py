@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 from vllm.utils.ompmultiprocessing import OMPProcessManager  # noqa: E402
 
 from rayapp.config import AppConfig  # noqa: E402
-from rayapp.vllm_ext.engine import bind_cpu_slot, keep_frontend_core  # noqa: E402
+from rayapp.vllm_ext.cpu_binding import bind_cpu_slot, keep_frontend_core  # noqa: E402
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
