@@ -576,19 +576,28 @@ def print_table(summaries: dict[str, LoadSummary], workload: Workload) -> None:
     print(f"{'':<22}" + "".join(f"{n:>{w}}" for n, w in zip(summaries, widths)))
     for label, cells in rows:
         print(f"{label:<22}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
-    pairs = [("rayapp", "rayapp-offline"), ("rayapp", "rayapp-ray-nice")]
-    pairs += [(name, "anchor") for name in summaries if name != "anchor"]
-    for ours, base in pairs:
-        if ours in summaries and base in summaries:
-            print(_ratios(summaries[ours], summaries[base], f"{ours} / {base}"))
-
-
-def _ratios(ours: LoadSummary, base: LoadSummary, label: str) -> str:
-    return (
-        f"{label}: output tokens/s {ours.output_tokens_per_s / base.output_tokens_per_s:.2f}x (higher is better), "
-        f"ITL p50 {ours.itl_p50_s / base.itl_p50_s:.2f}x and TTFT p50 {ours.ttft_p50_s / base.ttft_p50_s:.2f}x "
-        "(lower is better)"
-    )
+    if "rayapp" in summaries and "rayapp-offline" in summaries:
+        served, offline = summaries["rayapp"], summaries["rayapp-offline"]
+        print(
+            "rayapp served / offline: output tokens/s "
+            f"{served.output_tokens_per_s / offline.output_tokens_per_s:.2f}x, "
+            f"ITL p50 {served.itl_p50_s / offline.itl_p50_s:.2f}x"
+        )
+    if "rayapp" in summaries and "rayapp-ray-nice" in summaries:
+        ours, ray_nice = summaries["rayapp"], summaries["rayapp-ray-nice"]
+        print(
+            "rayapp (engine at nice 0) / rayapp-ray-nice (engine at Ray's 15): output tokens/s "
+            f"{ours.output_tokens_per_s / ray_nice.output_tokens_per_s:.2f}x, "
+            f"ITL p50 {ours.itl_p50_s / ray_nice.itl_p50_s:.2f}x, TTFT p50 {ours.ttft_p50_s / ray_nice.ttft_p50_s:.2f}x"
+        )
+    anchor = summaries.get("anchor")
+    for name in (n for n in summaries if n != "anchor" and anchor is not None):
+        ours = summaries[name]
+        print(
+            f"{name} / anchor: output tokens/s {ours.output_tokens_per_s / anchor.output_tokens_per_s:.2f}x "
+            f"(higher is better), ITL p50 {ours.itl_p50_s / anchor.itl_p50_s:.2f}x and "
+            f"TTFT p50 {ours.ttft_p50_s / anchor.ttft_p50_s:.2f}x (lower is better)"
+        )
 
 
 def main() -> None:
