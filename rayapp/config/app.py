@@ -227,14 +227,6 @@ class AppConfig(BaseModel):
     max_num_batched_tokens: int = Field(512, ge=1, description="Tokens computed per step (the prefill chunk size)")
     replicas: int = Field(1, ge=1, description="Number of LLMReplica deployments' replicas (one engine each)")
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per replica (fractional values pack replicas)")
-    engine_niceness: int | None = Field(
-        0,
-        ge=-20,
-        le=19,
-        description="engine: rayapp: the nice value of the replica's engine process. Ray starts its workers at "
-        "15, below its own daemons (0); 0 steps the engine as an offline run does. Lowering it needs "
-        "CAP_SYS_NICE (without it the engine keeps Ray's and logs it once); null: keep Ray's",
-    )
     api_keys: list[str] = Field(
         default_factory=list,
         description="Accepted bearer tokens, besides those of api_keys_file and of the ingress' RAYAPP_API_KEYS "

@@ -50,7 +50,7 @@ class RayappBackend:
 
             address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
             setup = functools.partial(_attach_tier, address)
-        return cls(EngineProcess(config.engine_config(), setup, config.engine_niceness))
+        return cls(EngineProcess(config.engine_config(), setup))
 
     def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
         return self.engine.generate(request)

@@ -60,17 +60,16 @@ _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[GenerateDelta | BaseEx
 class EngineProcess:
     """An `LLMEngine` stepping in a child process; streams its requests as `GenerateDelta`s.
 
-    `setup` (picklable) runs in the child after the engine is built; `niceness` (None: inherited) is the
-    child's nice value, see `_take_niceness`. The constructor returns once the model is loaded, and raises
-    RuntimeError with the child's error when the engine cannot start.
+    `setup` (picklable) runs in the child after the engine is built. The constructor returns once the
+    model is loaded, and raises RuntimeError with the child's error when the engine cannot start.
     """
 
-    def __init__(self, config: EngineConfig, setup: Setup | None = None, niceness: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, setup: Setup | None = None) -> None:
         self.block_size = config.cache.block_size
         context = multiprocessing.get_context("spawn")  # a fork would copy the replica's threads and locks
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
-            target=_child_main, args=(child_conn, config, setup, torch.get_num_threads(), niceness),
+            target=_child_main, args=(child_conn, config, setup, torch.get_num_threads()),
             name=PROCESS_NAME, daemon=True,
         )  # fmt: skip
         self._process.start()
@@ -252,35 +251,7 @@ def _name_process(name: str) -> None:
         ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
-def _take_niceness(niceness: int | None) -> None:
-    """Run this process at `niceness` (None: leave it).
-
-    Ray starts its workers at nice 15, under its own daemons (GCS, raylet, dashboard, at 0); the engine's
-    step then waits for a core whenever one of them, or another Ray worker, wants it, which an offline
-    engine never does. Linux keeps a value per thread, and threads inherit their starter's: this runs
-    first in the child and sets every thread the imports have started. Lowering the value needs
-    CAP_SYS_NICE: without it the engine keeps what it has and says so.
-    """
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    if niceness is None or niceness == current:
-        return
-    try:
-        for thread in os.listdir("/proc/self/task"):
-            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-                os.setpriority(os.PRIO_PROCESS, int(thread), niceness)
-    except PermissionError:
-        logger.warning(
-            "rayapp's engine keeps nice %d: nice %d (engine_niceness) needs CAP_SYS_NICE, e.g. in the container's "
-            "securityContext.capabilities.add; engine_niceness: null silences this",
-            current,
-            niceness,
-        )
-
-
-def _child_main(
-    conn: Connection, config: EngineConfig, setup: Setup | None, num_threads: int, niceness: int | None
-) -> None:
-    _take_niceness(niceness)
+def _child_main(conn: Connection, config: EngineConfig, setup: Setup | None, num_threads: int) -> None:
     _name_process(PROCESS_NAME)
     torch.set_num_threads(num_threads)
     send_lock = threading.Lock()

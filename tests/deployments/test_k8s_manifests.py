@@ -283,13 +283,6 @@ def test_every_container_runs_the_image_the_readme_tells_users_to_set(name):
     assert repository in readme
 
 
-@pytest.mark.parametrize("name", DEPLOYMENTS)
-def test_every_container_may_give_rayapps_engine_its_priority(name):
-    # Without CAP_SYS_NICE the engine process stays at the nice value 15 Ray starts workers at (engine_niceness).
-    for container in _containers(rayservice(name)):
-        assert "SYS_NICE" in container["securityContext"]["capabilities"]["add"]
-
-
 def test_image_is_built_with_the_clusters_ray_version():
     dockerfile = (K8S / "Dockerfile").read_text()
     (ray_version,) = re.findall(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.MULTILINE)

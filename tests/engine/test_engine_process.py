@@ -11,7 +11,7 @@ import pytest
 from rayapp import LLM, SamplingParams
 from rayapp.config import EngineConfig
 from rayapp.engine.backend import EngineDeadError, EngineRequest
-from rayapp.engine.engine_process import PROCESS_NAME, EngineProcess, _take_niceness
+from rayapp.engine.engine_process import PROCESS_NAME, EngineProcess
 
 OPTIONS = {"dtype": "float32", "num_pages": 128}
 PROMPTS = [[1, 504, 3458, 282, 253, 2914], [1, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33]]
@@ -105,26 +105,3 @@ def test_a_killed_engine_process_fails_its_streams_and_reports_dead():
 def test_an_engine_that_cannot_start_says_why():
     with pytest.raises(RuntimeError, match="did not start: .*max_model_len=999999"):
         EngineProcess(EngineConfig.from_options(dtype="float32", max_model_len=999_999))
-
-
-def test_the_engine_process_runs_at_the_niceness_asked_for_and_its_threads_too():
-    # Raising the value needs no privilege (lowering it, the served default from Ray's 15 to 0, needs CAP_SYS_NICE).
-    asked = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)
-    engine = EngineProcess(EngineConfig.from_options(**OPTIONS), niceness=asked)
-    try:
-        asyncio.run(_collect(engine, _request("nice", PROMPTS[0], temperature=0.0, max_tokens=4)))
-        child = _engine_process(engine)
-        assert {os.getpriority(os.PRIO_PROCESS, t.id) for t in child.threads()} == {asked}
-    finally:
-        engine.shutdown()
-
-
-def test_an_engine_without_the_privilege_to_lower_its_niceness_keeps_it_and_says_how(monkeypatch, caplog):
-    def refuse(which: int, who: int, value: int) -> None:
-        raise PermissionError(1, "Operation not permitted")
-
-    monkeypatch.setattr(os, "getpriority", lambda which, who: 15)
-    monkeypatch.setattr(os, "setpriority", refuse)
-    with caplog.at_level("WARNING", logger="rayapp.engine.engine_process"):
-        _take_niceness(0)
-    assert "keeps nice 15" in caplog.text and "CAP_SYS_NICE" in caplog.text
