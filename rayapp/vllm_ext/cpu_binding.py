@@ -14,10 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rayapp.config import AppConfig
 
-
-def bind_cpu_slot(config: AppConfig) -> Any:
+def bind_cpu_slot(num_cpus: float, kwargs: dict[str, Any]) -> Any:
     """On CPU, give this replica's vLLM compute cores apart from other replicas' where the node has them, and
     never the cores vLLM keeps for its scheduler loops and the frontends.
 
@@ -30,15 +28,17 @@ def bind_cpu_slot(config: AppConfig) -> Any:
     slots rather than spill onto the reserved cores: vLLM's worker and scheduler spin on the CPU between
     steps, and with a spinning worker on every core the schedulers, the replicas and the ingress starve
     (2 replicas on 2 cores, `bench/serve_multiturn.py --workloads 2x`: 11.8-18.6 output tok/s with a core
-    each, 42.7 sharing one). Leaves the environment alone when the user set the binding. Returns the held
-    lock (or None).
+    each, 42.7 sharing one). Leaves the environment alone when the user set the binding, and to vLLM when
+    the engine has several workers (tensor or pipeline parallel: vLLM binds each worker's threads itself).
+    Returns the held lock (or None).
     """
-    if config.device.split(":")[0] != "cpu" or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    workers = _num_workers(kwargs)
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or workers > 1:
         return None
     cores = sorted(os.sched_getaffinity(0))
-    reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)
+    reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or workers)
     compute = cores[: len(cores) - reserved] if len(cores) > reserved else cores
-    width = min(max(1, int(config.num_cpus)), len(compute))
+    width = min(max(1, int(num_cpus)), len(compute))
     slots = len(compute) // width
     number, lock = _replica_number()
     if number > 0:  # number 0 keeps vLLM's automatic binding
@@ -60,7 +60,7 @@ def _replica_number() -> tuple[int, Any]:
         return number, lock
 
 
-def keep_frontend_core(config: AppConfig, kwargs: dict[str, Any]) -> None:
+def keep_frontend_core(kwargs: dict[str, Any]) -> None:
     """On CPU with the cluster tier, keep the cores vLLM's automatic binding leaves to the engine core's scheduler
     loop and the frontends, as without a KV connector.
 
@@ -72,8 +72,11 @@ def keep_frontend_core(config: AppConfig, kwargs: dict[str, Any]) -> None:
     `VLLM_CPU_NUM_OF_RESERVED_CPU` or explicit `VLLM_CPU_OMP_THREADS_BIND` wins.
     """
     auto = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto"
-    if config.device.split(":")[0] != "cpu" or "kv_transfer_config" not in kwargs or not auto:
-        return
-    # vLLM's reservation without a connector: one core per worker of this node (x86, Arm and RISC-V).
-    workers = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(workers))
+    if "kv_transfer_config" in kwargs and auto:
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(_num_workers(kwargs)))
+
+
+def _num_workers(kwargs: dict[str, Any]) -> int:
+    """The engine's workers on this node: vLLM's reservation without a KV connector is one core each (x86, Arm
+    and RISC-V)."""
+    return kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)

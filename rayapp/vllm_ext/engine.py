@@ -230,8 +230,10 @@ class VLLMBackend:
         model_dir = resolve_model(config.model)
         args = AsyncEngineArgs(model=str(model_dir), kv_events_config=kv_events, **kwargs)
         stats = _EngineStats()
-        keep_frontend_core(config, kwargs)  # first: the binding keeps clear of the cores it reserves
-        cpu_slot = bind_cpu_slot(config)
+        cpu_slot = None
+        if config.device.split(":")[0] == "cpu":
+            keep_frontend_core(kwargs)  # first: the binding keeps clear of the cores it reserves
+            cpu_slot = bind_cpu_slot(config.num_cpus, kwargs)
         engine = AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_StatLogger, stats=stats)])
         block_size = config.kv_block_size()
         events = VLLMKVEvents(kv_events.endpoint, kv_events.replay_endpoint, model_id, block_size)

@@ -13,7 +13,6 @@ pytest.importorskip("vllm")
 
 from vllm.utils.ompmultiprocessing import OMPProcessManager  # noqa: E402
 
-from rayapp.config import AppConfig  # noqa: E402
 from rayapp.vllm_ext.cpu_binding import bind_cpu_slot, keep_frontend_core  # noqa: E402
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
@@ -28,10 +27,10 @@ def node(monkeypatch, tmp_path):
     monkeypatch.delenv(BIND, raising=False)
 
 
-def _replica(num_cpus: float) -> tuple[object, str | None]:
+def _replica(num_cpus: float, **engine_kwargs) -> tuple[object, str | None]:
     """Start one replica's binding and report the binding its engine would see (then forget it, as a new
     replica process would not have it)."""
-    lock = bind_cpu_slot(AppConfig(engine="vllm", num_cpus=num_cpus))
+    lock = bind_cpu_slot(num_cpus, engine_kwargs)
     return lock, os.environ.pop(BIND, None)
 
 
@@ -81,8 +80,14 @@ def test_the_cores_vllm_reserves_are_never_a_slot(node, monkeypatch):
 
 def test_a_users_binding_wins(node, monkeypatch):
     monkeypatch.setenv(BIND, "0-1")
-    assert bind_cpu_slot(AppConfig(engine="vllm")) is None
+    assert bind_cpu_slot(1, {}) is None
     assert os.environ[BIND] == "0-1"
+
+
+def test_engines_of_several_workers_keep_vllms_binding_of_each_worker(node):
+    first = _replica(1)
+    assert [_replica(1, tensor_parallel_size=2), _replica(1, pipeline_parallel_size=2)] == [(None, None)] * 2
+    first[0].close()
 
 
 def _vllm_binding(kv_connector: bool) -> OMPProcessManager:
@@ -95,7 +100,7 @@ def test_the_cluster_tier_keeps_the_core_vllm_leaves_to_its_scheduler_and_the_re
     monkeypatch.delenv(BIND, raising=False)
     monkeypatch.delenv(RESERVED, raising=False)
     without = _vllm_binding(kv_connector=False)
-    keep_frontend_core(AppConfig(engine="vllm"), {"kv_transfer_config": object()})
+    keep_frontend_core({"kv_transfer_config": object()})
     with_tier = _vllm_binding(kv_connector=True)
     os.environ.pop(RESERVED, None)  # a new replica process would not have it
     assert with_tier.reserve_cpu_num == without.reserve_cpu_num
@@ -105,9 +110,9 @@ def test_the_cluster_tier_keeps_the_core_vllm_leaves_to_its_scheduler_and_the_re
 
 def test_a_users_reservation_or_binding_wins_over_the_tiers(monkeypatch):
     monkeypatch.setenv(RESERVED, "3")
-    keep_frontend_core(AppConfig(engine="vllm"), {"kv_transfer_config": object()})
+    keep_frontend_core({"kv_transfer_config": object()})
     assert os.environ[RESERVED] == "3"
     monkeypatch.delenv(RESERVED)
     monkeypatch.setenv(BIND, "0-1")
-    keep_frontend_core(AppConfig(engine="vllm"), {"kv_transfer_config": object()})
+    keep_frontend_core({"kv_transfer_config": object()})
     assert RESERVED not in os.environ
