@@ -42,6 +42,7 @@ from rayapp.deployments.protocol import (
 from rayapp.deployments.responses import LogprobsFormat, event, full_response, stream_chunk, usage_body
 from rayapp.deployments.tools import ToolAnswer, template_problem
 from rayapp.engine.backend import EngineRequest, GenerateDelta
+from rayapp.engine.request import LimitError, RequestLimits
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
 from rayapp.models.tokenizer import chat_token_ids, load_tokenizer
@@ -131,7 +132,6 @@ class OpenAIIngress:
         self._bulk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayapp-ingress-bulk")
         self.api_keys = _api_keys(self.config)
         self.logprobs = LogprobsFormat(self.tokenizer)
-        self.vocab_size = spec.vocab_size
         # The engine's model id: block hashes computed here must equal the replicas' own.
         self.model_id = self.config.model or DEFAULT_MODEL
         self.served_name = self.config.served_model_name or (
@@ -139,6 +139,7 @@ class OpenAIIngress:
         )
         self.max_model_len = self.config.context_length(spec.max_position_embeddings)
         self.block_size = self.config.kv_block_size()
+        self.limits = RequestLimits(self.max_model_len, spec.vocab_size, None, self.block_size)
         self.replica = replica
         self.inflight = 0
         # Requests moved to another replica because theirs died.
@@ -219,19 +220,26 @@ class OpenAIIngress:
             ids = chat_token_ids(tokenizer, messages, tools)
         except ValueError as error:  # e.g. a model without a chat template
             raise APIError(400, str(error), param="messages") from None
+        self._check_limits(body, ids)
         return body, ids, messages
 
     def _prepare_completion(self, raw: bytes, tokenizer: Any) -> tuple[CompletionRequest, list[int]]:
         body = parse(CompletionRequest, decode_json(raw))
         self._check_model(body.model)
         check_sizes(body, self.config.limits, len(body.prompt) if isinstance(body.prompt, str) else 0)
-        if isinstance(body.prompt, str):
-            ids = tokenizer.encode(body.prompt)
-        elif all(0 <= t < self.vocab_size for t in body.prompt):
-            ids = list(body.prompt)
-        else:
-            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        self._check_limits(body, ids)
         return body, ids
+
+    def _check_limits(self, body: ChatCompletionRequest | CompletionRequest, ids: list[int]) -> None:
+        """The engine's own check, so the two cannot disagree, except that a max_tokens past the context is a 400
+        (as OpenAI's and vLLM's servers answer) rather than lowered to fit."""
+        try:
+            self.limits.check(ids, body.requested_max_tokens, fit_max_tokens=False)
+        except LimitError as error:
+            chat = isinstance(body, ChatCompletionRequest)
+            param = "messages" if chat and error.param == "prompt" else error.param
+            raise APIError(400, str(error), param=param, code=error.code) from None
 
     def _authenticate(self, request: Request) -> str:
         """Check the API key when keys are configured; return the tenant (the key, or else `user`)."""
@@ -256,19 +264,8 @@ class OpenAIIngress:
             )
 
     async def _serve(self, body: Any, ids: list[int], tenant: str, kind: str, prompt: str | list[Any]) -> Response:
-        max_tokens = body.requested_max_tokens
-        wanted = len(ids) + (max_tokens or 1)
-        if wanted > self.max_model_len:
-            raise APIError(
-                400,
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{wanted} were requested ({len(ids)} in the prompt, {max_tokens or 1} to generate); "
-                f"shorten the prompt or lower max_tokens",
-                param="messages",
-                code="context_length_exceeded",
-            )
         try:
-            sampling = body.sampling(max_tokens)
+            sampling = body.sampling(body.requested_max_tokens)
         except ValueError as error:
             raise APIError(400, str(error)) from None
         if self.inflight >= self.config.max_queued_requests:

@@ -77,13 +77,28 @@ class RequestGroup:
         self.unfinished = self.n
 
 
+# OpenAI's error code for a request past the model's context, which clients match on.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+class LimitError(ValueError):
+    """A request past what `RequestLimits` allows. `param` names the request field to change (`prompt`,
+    `max_tokens`, ...) and `code` is OpenAI's error code, if it has one: the ingress answers both in its 400."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 @dataclass(frozen=True)
 class RequestLimits:
-    """What one engine can take: its context length, vocabulary and KV pool."""
+    """What one engine can take: its context length, vocabulary and KV pool. The engine checks every request
+    against its own; the ingress checks against the same limits with `num_pages=None` (the replicas' pool is not
+    known there; their engines check it)."""
 
     max_model_len: int
     vocab_size: int
-    num_pages: int
+    num_pages: int | None
     block_size: int
 
     def check(
@@ -92,29 +107,48 @@ class RequestLimits:
         max_tokens: int | None,
         block_hashes: list[BlockHash] | None = None,
         delivered_tokens: int = 0,
+        *,
+        fit_max_tokens: bool = True,
     ) -> int:
-        """The most tokens `ids` may generate (`max_tokens`, or what the context leaves); ValueError, saying what
-        to change, for an empty or too long prompt, a token outside the vocabulary, one that cannot fit in the
-        pool, more block hashes than full blocks, or a moved answer's output longer than the prompt."""
+        """The most tokens `ids` may generate: `max_tokens`, or what the context leaves when that is less (or
+        `max_tokens` is None). Without `fit_max_tokens` (OpenAI's API), a `max_tokens` past the context is an
+        error instead. LimitError, saying what to change, for an empty or too long prompt, a token outside the
+        vocabulary, one that cannot fit in the pool (when `num_pages` is known), more block hashes than full blocks,
+        or a moved answer's output longer than the prompt."""
         if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+            raise LimitError("prompt is empty: give at least one token", "prompt")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, which must also leave "
-                f"room for at least one generated token"
+            raise LimitError(
+                f"this model's maximum context length is {self.max_model_len} tokens (max_model_len is "
+                f"{self.max_model_len}), but the prompt has {len(ids)}, which leaves no room for a generated token; "
+                f"shorten the prompt",
+                "prompt",
+                CONTEXT_LENGTH_EXCEEDED,
             )
         room = self.max_model_len - len(ids)
+        if not fit_max_tokens and max_tokens is not None and max_tokens > room:
+            raise LimitError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{len(ids) + max_tokens} were requested ({len(ids)} in the prompt, {max_tokens} to generate); "
+                f"shorten the prompt or lower max_tokens",
+                "prompt",
+                CONTEXT_LENGTH_EXCEEDED,
+            )
+        # After the length checks: this one reads every token.
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise LimitError(f"prompt_token_ids must be integers in [0, {self.vocab_size})", "prompt")
         max_new = room if max_tokens is None else min(max_tokens, room)
         pages = math.ceil((len(ids) + max_new - 1) / self.block_size)
-        if pages > self.num_pages:
-            raise ValueError(
+        if self.num_pages is not None and pages > self.num_pages:
+            raise LimitError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({max_new}) needs {pages} KV pages but the pool has "
-                f"{self.num_pages}; lower max_tokens or raise num_pages / kv_cache_memory_gb"
+                f"{self.num_pages}; lower max_tokens or raise num_pages / kv_cache_memory_gb",
+                "max_tokens",
             )
         if block_hashes is not None and len(block_hashes) > len(ids) // self.block_size:
-            raise ValueError(f"got {len(block_hashes)} block hashes for a {len(ids)}-token prompt")
+            raise LimitError(f"got {len(block_hashes)} block hashes for a {len(ids)}-token prompt", "block_hashes")
         if not 0 <= delivered_tokens < len(ids):
-            raise ValueError(f"delivered_tokens={delivered_tokens} must be in [0, {len(ids)}) for this prompt")
+            raise LimitError(
+                f"delivered_tokens={delivered_tokens} must be in [0, {len(ids)}) for this prompt", "delivered_tokens"
+            )
         return max_new
