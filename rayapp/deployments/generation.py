@@ -11,6 +11,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from rayapp.deployments.protocol import APIError
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
+from rayapp.engine.request import LimitError
 
 # A request whose replica dies is moved to another replica at most this many times.
 MAX_REPLICA_FAILURES = 3
@@ -77,6 +78,8 @@ class Generation:
         while True:
             answers, item = await self._queue.get()
             if isinstance(item, RayTaskError):
+                if isinstance(item.cause, LimitError):
+                    raise APIError(400, str(item.cause), param=item.cause.param, code=item.cause.code) from None
                 if isinstance(item.cause, ValueError):
                     raise APIError(400, str(item.cause)) from None
                 if not isinstance(item.cause, EngineDeadError):
