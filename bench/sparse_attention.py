@@ -163,7 +163,7 @@ def run_speed(contexts: list[int], steps: int) -> None:
             engine.block_manager.allocate(seq, ctx)
             pages = torch.tensor(seq.block_table)
             # Random K/V, not zeros: scores must rank blocks as they would on real keys' spread.
-            for cache in (runner.k_cache, runner.v_cache):
+            for cache in (runner.pool.k, runner.pool.v):
                 cache[:, pages] = torch.randn(cache[:, pages].shape, generator=gen, dtype=cache.dtype)
             seq.num_computed_tokens = ctx - 1
             if engine.sparse is not None:
@@ -231,7 +231,7 @@ def run_resume(context: int, steps: int) -> None:
         bm, runner = writer.engine.block_manager, writer.engine.runner
         bm.allocate(seq, context, bm.match_prefix(seq))
         pages = torch.tensor(seq.block_table)
-        for cache in (runner.k_cache, runner.v_cache):
+        for cache in (runner.pool.k, runner.pool.v):
             cache[:, pages] = torch.randn(cache[:, pages].shape, dtype=torch.float32).to(bf16)
         # Written through to the tier a run of pages at a time: its writer drops what is queued past 512 MiB.
         for end in range(4096, context + 4096, 4096):

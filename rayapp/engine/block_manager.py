@@ -1,7 +1,7 @@
 """Page accounting for one replica's KV cache: ref counts, prefix caching, lazy LRU eviction.
 
-The BlockManager hands out page ids (0..num_pages-1); it never touches tensors, the ModelRunner
-owns the KV pools. Every change to the set of cached blocks is reported as a `KVEvent`.
+The BlockManager hands out page ids 1..num_pages (the `KVPool`'s main region; page 0 is the null page,
+never handed out); it never touches tensors. Every change to the set of cached blocks is reported as a `KVEvent`.
 
 Invariants (checked by `check_invariants`):
 - a page is in the free list iff its ref count is 0;
@@ -13,9 +13,10 @@ Invariants (checked by `check_invariants`):
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
 
 from rayapp.blocks import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent, hash_blocks
-from rayapp.engine.pages import OFFLOADED, ForkResult, FreeBlockQueue, Page, PageCopy, PageInfo, PrefixMatch
+from rayapp.engine.pages import NULL_PAGE, OFFLOADED, ForkResult, FreeBlockQueue, Page, PageCopy, PageInfo, PrefixMatch
 from rayapp.engine.sequence import Sequence
 
 
@@ -35,8 +36,9 @@ class BlockManager:
         self.block_size = block_size
         self.model_id = model_id
         self.enable_prefix_caching = enable_prefix_caching
-        self._pages = [Page(i) for i in range(num_pages)]
-        self._free = FreeBlockQueue(self._pages)
+        # Indexed by page id; the null page is here only so that ids index the list, and is never free.
+        self._pages = [Page(i) for i in range(NULL_PAGE, num_pages + 1)]
+        self._free = FreeBlockQueue(self._pages[NULL_PAGE + 1 :])
         self._cached: dict[BlockHash, Page] = {}
         # Free pages that still hold a hash, kept as a counter so `num_cached_pages` is O(1).
         self._num_cached_free = 0
@@ -47,6 +49,11 @@ class BlockManager:
         # Called with each BlockStored this manager emits for computed blocks and the sequence's cache salt
         # (the cluster tier's write-through); not for blocks adopted from the tier.
         self.on_stored: Callable[[BlockStored, str], None] | None = None
+
+    @property
+    def page_ids(self) -> range:
+        """The ids of the pages this manager hands out."""
+        return range(NULL_PAGE + 1, self.num_pages + 1)
 
     @property
     def num_free_pages(self) -> int:
@@ -188,42 +195,35 @@ class BlockManager:
         return ForkResult(ok=True, copies=copies)
 
     def free(self, seq: Sequence) -> None:
-        """Release `seq`'s pages, last block first, and empty its block table.
+        """Release `seq`'s pages, last block first, and its carrier pages; empty both lists.
 
         Pages reaching ref 0 join the free list's tail, keeping their cached block: a sequence's
         tail blocks thus sit before its head blocks and are evicted first."""
-        for pid in reversed(seq.block_table):
+        for pid in chain(reversed(seq.block_table), seq.carrier_pages):
             if pid == OFFLOADED:
                 continue
-            page = self._pages[pid]
-            if page.ref_count <= 0:
+            if self._pages[pid].ref_count <= 0:
                 raise RuntimeError(f"page {pid} of sequence {seq.seq_id} freed more often than taken")
-            page.ref_count -= 1
-            if page.ref_count == 0:
-                self._free.append(page)
-                if page.block_hash is not None:
-                    self._num_cached_free += 1
-        seq.block_table = []
-        seq.compacted = False
+            self._drop_ref(self._pages[pid])
+        seq.block_table, seq.carrier_pages = [], []
         self._num_handled_blocks.pop(seq.seq_id, None)
 
-    def take_pages(self, n: int) -> list[int] | None:
-        """`n` LRU free pages, referenced once and holding no block, for a compacted sequence (appended
-        to its `block_table`, so that `free` releases them); None (nothing taken) when fewer are free."""
-        return self._pop_free_pages(n) if n <= len(self._free) else None
+    def allocate_carriers(self, seq: Sequence, n: int) -> list[int] | None:
+        """`n` more carrier pages for `seq`'s compacted KV (appended to `seq.carrier_pages`), or None (nothing
+        changed) when too few pages are free.
 
-    def swap_table(self, seq: Sequence, n: int) -> list[int] | None:
-        """Release `seq`'s pages as `free` does (cached blocks stay revivable) and give it `n` fresh pages
-        instead, for its compacted KV (`seq.compacted`); None (nothing changed) when even the released
-        pages leave fewer than `n` free. A compacted table does not map token positions, so none of its
-        pages is ever cached. The fresh pages are taken LRU first: the released ones come last."""
-        released = sum(1 for pid in seq.block_table if pid != OFFLOADED and self._pages[pid].ref_count == 1)
-        if n > len(self._free) + released:
+        The first call compacts `seq`: its token pages are released as `free` releases them (cached blocks stay
+        revivable, and the pages only `seq` held count as free here) and its `block_table` empties. Carrier
+        pages are taken LRU first, the released ones last, and are never cached: they do not map token
+        positions."""
+        only_here = [pid for pid in seq.block_table if pid != OFFLOADED and self._pages[pid].ref_count == 1]
+        if n > len(self._free) + len(only_here):  # a compacted sequence's block_table is empty
             return None
-        self.free(seq)
-        seq.block_table = self._pop_free_pages(n)
-        seq.compacted = True
-        return seq.block_table
+        if not seq.compacted:
+            self.free(seq)
+        pages = self._pop_free_pages(n)
+        seq.carrier_pages.extend(pages)
+        return pages
 
     def release_pages(self, seq: Sequence, block_indices: list[int]) -> None:
         """Drop `seq`'s reference to the pages of these blocks (their K/V now lives in the host pool).
@@ -235,12 +235,7 @@ class BlockManager:
             pid = seq.block_table[i]
             if pid == OFFLOADED or i >= seq.num_computed_tokens // self.block_size:
                 raise RuntimeError(f"block {i} of {seq.seq_id} is not a computed, device-resident block")
-            page = self._pages[pid]
-            page.ref_count -= 1
-            if page.ref_count == 0:
-                self._free.append(page)
-                if page.block_hash is not None:
-                    self._num_cached_free += 1
+            self._drop_ref(self._pages[pid])
             seq.block_table[i] = OFFLOADED
 
     def take_events(self) -> list[KVEvent]:
@@ -271,11 +266,14 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the internal bookkeeping is inconsistent. O(num_pages)."""
+        pages = [self._pages[i] for i in self.page_ids]
         free_ids = [page.page_id for page in self._free]
-        unreferenced = [p.page_id for p in self._pages if p.ref_count == 0]
-        hashed = [p for p in self._pages if p.block_hash is not None]
+        unreferenced = [p.page_id for p in pages if p.ref_count == 0]
+        hashed = [p for p in pages if p.block_hash is not None]
+        null = self._pages[NULL_PAGE]
         checks = {
-            "a ref count is negative": all(p.ref_count >= 0 for p in self._pages),
+            "the null page was handed out": (null.ref_count, null.block_hash) == (0, None),
+            "a ref count is negative": all(p.ref_count >= 0 for p in pages),
             "free list length differs from its counter": len(free_ids) == len(self._free),
             "free list differs from the unreferenced pages": sorted(free_ids) == unreferenced,
             "a page holds a hash that is not its cache entry": len(hashed) == len(self._cached),
@@ -320,6 +318,13 @@ class BlockManager:
             if page.block_hash is not None:
                 self._num_cached_free -= 1
         page.ref_count += 1
+
+    def _drop_ref(self, page: Page) -> None:
+        page.ref_count -= 1
+        if page.ref_count == 0:  # to the free list's tail, its cached block (if any) kept
+            self._free.append(page)
+            if page.block_hash is not None:
+                self._num_cached_free += 1
 
     def _pop_free_pages(self, n: int) -> list[int]:
         """Take `n` LRU free pages (caller checked there are enough); evict their cached blocks."""
@@ -388,11 +393,7 @@ class BlockManager:
             self._free.append(page)
             self._num_cached_free += 1
         for page in reversed(kept):
-            page.ref_count -= 1
-            if page.ref_count == 0:
-                self._free.append(page)
-                if page.block_hash is not None:
-                    self._num_cached_free += 1
+            self._drop_ref(page)
         if pages:
             tokens = tuple(t for ids in token_ids[: len(pages)] for t in ids)
             self._events.append(BlockStored(tuple(block_hashes[: len(pages)]), parent, tokens, self.block_size))

@@ -12,8 +12,9 @@ The engine calls every extension at the same points of a request's life, in the 
 - `stats()` between steps, on the engine's thread: numbers named as `metrics()` declares them. The replica
   pushes every declared metric to `/metrics`, so a new counter is added here and nowhere else.
 
-What an extension may not do: take or release pages except through the BlockManager, or change a
-sequence's `num_computed_tokens` or token ids. The model runner reads each extension's plan for the step
+What an extension may not do: take or release pages except through the BlockManager, touch KV except in
+the runner's `KVPool` (the pages of its sequences, their per-layer slots, or a region reserved for it), or
+change a sequence's `num_computed_tokens` or token ids. The model runner reads each extension's plan for the step
 (`SparseKV.plan`, `LayerwiseKV.plan`) when it prepares the attention metadata.
 """
 

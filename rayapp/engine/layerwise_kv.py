@@ -11,8 +11,8 @@ After that step the sequence is compacted. Every layer gets a page table of its 
 `[L * P, bs, Hkv, D]`. Full layers copy every token into their slots; compressed layers copy
 their selected tokens, per head, in positional order. The dense prompt pages are then released:
 their full blocks stay in the prefix cache, exact in every layer, so a later turn still hits them,
-while the slots come from a few pool pages the sequence takes instead (its `block_table` then lists
-those pages). Decode appends each new token to every layer's table.
+while the slots come from a few pool pages the sequence takes instead (its `carrier_pages`; its
+`block_table` empties). Decode appends each new token to every layer's table.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class _Capture:
 class _Compacted:
     """A compacted sequence's per-layer tables of slot pages."""
 
-    table: Tensor  # [L, max_pages] slot pages of each layer, in token order (0 past num_pages)
+    table: Tensor  # [L, max_pages] slot pages of each layer, in token order (the null page's slot 0 past num_pages)
     num_pages: list[int]  # slot pages each layer holds
     lens: list[int]  # tokens each layer holds
     free_slots: list[int]  # slots of the sequence's pool pages no layer uses yet
@@ -104,7 +104,6 @@ class LayerwiseKV:
         self.bm = block_manager
         self.bs = config.cache.block_size
         self.device = runner.device
-        self.P = runner.k_cache.shape[1]  # pool pages per layer: the slot stride
         self.max_pages = math.ceil((config.model.max_model_len or spec.max_position_embeddings) / self.bs) + 1
         self._captures: dict[str, _Capture] = {}
         self._compacted: dict[str, _Compacted] = {}
@@ -163,7 +162,7 @@ class LayerwiseKV:
         ctx = lens + 1
         widths = (-(-ctx.amax(0) // bs)).tolist()
         # Every other token goes to its page in each layer: the layer's offset in the flattened cache.
-        offsets = torch.arange(self.L, device=self.device)[:, None] * (self.P * bs)
+        offsets = torch.arange(self.L, device=self.device)[:, None] * (self.runner.pool.num_pages * bs)
         slots = slot_mapping[None] + offsets  # [L, T]
         comp_t = self._tensor(comp)
         slots[:, comp_t] = new.T
@@ -219,16 +218,14 @@ class LayerwiseKV:
     def store(self, layer: int, k: Tensor, v: Tensor, plan: LayerwisePlan) -> None:
         """Write the step's K/V of `layer` (k, v: [T, Hkv, D]) into the flattened cache at `plan.slots[layer]`."""
         assert plan.slots is not None
-        kc = self.runner.k_cache.view(-1, self.Hkv, self.D)
-        vc = self.runner.v_cache.view(-1, self.Hkv, self.D)
+        kc, vc = (c.view(-1, self.Hkv, self.D) for c in self.runner.pool.slots())
         kc.index_copy_(0, plan.slots[layer], k.to(kc.dtype))
         vc.index_copy_(0, plan.slots[layer], v.to(vc.dtype))
 
     def attend(self, layer: int, q: Tensor, plan: LayerwisePlan, scale: float) -> Tensor:
         """Attention of the compacted decode rows at `layer` over their own slots. q: [Bc, Hq, D]."""
         assert plan.tables is not None and plan.context_lens is not None
-        shape = (-1, self.bs, self.Hkv, self.D)
-        kc, vc = self.runner.k_cache.view(shape), self.runner.v_cache.view(shape)
+        kc, vc = self.runner.pool.slots()
         return paged_decode_attention(q, kc, vc, plan.tables[layer], plan.context_lens[layer], scale)
 
     def capture(
@@ -277,11 +274,10 @@ class LayerwiseKV:
         need = [-(-(n + num_new_tokens) // self.bs) - have for n, have in zip(st.lens, st.num_pages)]
         short = sum(need) - len(st.free_slots)
         if short > 0:
-            pages = self.bm.take_pages(-(-short // self.L))
+            pages = self.bm.allocate_carriers(seq, -(-short // self.L))
             if pages is None:
                 return False
-            seq.block_table.extend(pages)
-            st.free_slots.extend(self._slots_of(pages))
+            st.free_slots.extend(self.runner.pool.slot_ids(pages))
         for layer, n in enumerate(need):
             for _ in range(n):
                 st.table[layer, st.num_pages[layer]] = st.free_slots.pop()
@@ -298,10 +294,11 @@ class LayerwiseKV:
         lens = [total] * self.Lf + [sel.shape[1] for sel in cap.selected if sel is not None]
         assert len(lens) == L, "a compressed layer selected no tokens for a finished prompt"
         num_pages = [-(-n // bs) for n in lens]
-        pages = self._tensor(seq.block_table[: -(-total // bs)])
         # keys, values: [L, total, Hkv, D], the prompt in every layer; kept: each layer's tokens to keep.
-        keys = self.runner.k_cache.index_select(1, pages).view(L, -1, self.Hkv, self.D)[:, :total]
-        values = self.runner.v_cache.index_select(1, pages).view(L, -1, self.Hkv, self.D)[:, :total]
+        keys, values = (
+            kv.view(L, -1, self.Hkv, self.D)[:, :total]
+            for kv in self.runner.pool.gather(seq.block_table[: -(-total // bs)])
+        )
         kept = []
         for layer in range(L):
             if layer < self.Lf:
@@ -313,13 +310,13 @@ class LayerwiseKV:
             index = sel.T[..., None].expand(-1, -1, self.D)
             kept.append((keys[layer].gather(0, index), values[layer].gather(0, index)))
         num_released = len(seq.block_table)
-        carriers = self.bm.swap_table(seq, -(-sum(num_pages) // L))
+        carriers = self.bm.allocate_carriers(seq, -(-sum(num_pages) // L))
         if carriers is None:
             self.counters["layerwise_compaction_skipped"] += 1
             return
-        free = self._slots_of(carriers)
+        free = self.runner.pool.slot_ids(carriers)
         table = torch.zeros(L, self.max_pages, dtype=torch.int64, device=self.device)
-        kc, vc = self.runner.k_cache.view(-1, self.Hkv, self.D), self.runner.v_cache.view(-1, self.Hkv, self.D)
+        kc, vc = (c.view(-1, self.Hkv, self.D) for c in self.runner.pool.slots())
         for layer, (k, v) in enumerate(kept):
             slots = self._tensor([free.pop() for _ in range(num_pages[layer])])
             table[layer, : len(slots)] = slots
@@ -339,9 +336,6 @@ class LayerwiseKV:
             "layerwise_running_compacted": len(running),
             "layerwise_slots_held": sum(sum(st.num_pages) + len(st.free_slots) for st in running),
         }
-
-    def _slots_of(self, pages: list[int]) -> list[int]:
-        return [layer * self.P + p for p in pages for layer in range(self.L)]
 
     def _tensor(self, values: list) -> Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

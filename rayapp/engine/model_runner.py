@@ -19,7 +19,9 @@ from rayapp.engine.attention import (
     PagedAttention,
     SparseDecode,
 )
+from rayapp.engine.kv_pool import KVPool
 from rayapp.engine.outputs import TokenLogprob
+from rayapp.engine.pages import NULL_PAGE
 from rayapp.engine.sampler import Sampler, token_logprobs
 from rayapp.engine.scheduler import ScheduledBatch
 from rayapp.engine.sequence import Sequence
@@ -60,9 +62,9 @@ class ModelRunner:
         cache_pages = self.num_cache_blocks * (sparse.retrieval_block_size // self.block_size)
         self.sparse: SparseKV | None = None  # set by the engine when sparse attention is enabled
         self.layerwise: LayerwiseKV | None = None  # set by the engine when layer-wise compression is enabled
-        shape = (spec.num_layers, self.num_pages + cache_pages, self.block_size, spec.num_kv_heads, spec.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        page_shape = (spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim)
+        reserved = {"sparse_cache": cache_pages} if cache_pages else {}
+        self.pool = KVPool(page_shape, self.num_pages, self.dtype, self.device, reserved)
         self.scale = spec.head_dim**-0.5
         if self.device.type == "cpu" and self.dtype in native.DTYPES:
             native.available()  # build (or load) the C++ decode kernel now, not inside the first step
@@ -79,10 +81,7 @@ class ModelRunner:
     def copy_pages(self, copies: tuple[PageCopy, ...]) -> None:
         """Copy each `src_page`'s K and V, in every layer, into its `dst_page` (a fork's partial block)."""
         if copies:
-            src = self._tensor([c.src_page for c in copies])
-            dst = self._tensor([c.dst_page for c in copies])
-            self.k_cache[:, dst] = self.k_cache[:, src]
-            self.v_cache[:, dst] = self.v_cache[:, src]
+            self.pool.copy([c.src_page for c in copies], [c.dst_page for c in copies])
 
     def cache_blocks_needed(self, max_model_len: int) -> int:
         """Device block cache slots that every offloaded sequence able to run at once needs in one step: each
@@ -102,7 +101,7 @@ class ModelRunner:
         (None for a sequence whose prefill chunk stopped short of its last token), and its logprobs
         where its SamplingParams ask for them."""
         input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(batch)
-        attention = PagedAttention(self.k_cache, self.v_cache, meta, self.scale, self.sparse, self.layerwise)
+        attention = PagedAttention(self.pool.k, self.pool.v, meta, self.scale, self.sparse, self.layerwise)
         hidden = self.model(input_ids, positions, attention)
         tokens: list[int | None] = [None] * len(batch.seqs)
         logprobs: list[TokenLogprob | None] = [None] * len(batch.seqs)
@@ -139,9 +138,13 @@ class ModelRunner:
         offsets = self._tensor([a - e + n for a, e, n in zip(starts, ends, batch.num_new_tokens)])
         positions = torch.arange(ends[-1], device=self.device) + offsets[seq_of_token]
         tables = self._page_table(batch.seqs)
-        # A compacted sequence's table lists pages, not token positions: its column is clamped here and
-        # its slot in each layer comes from the layer-wise plan.
-        slots = tables[seq_of_token, (positions // bs).clamp(max=tables.shape[1] - 1)] * bs + positions % bs
+        columns = positions // bs
+        # A compacted sequence (a decode row: token i is row i) has no token pages: its column names the null
+        # page here, and the layer-wise plan gives its slot in each layer.
+        compacted = [i for i, seq in enumerate(batch.seqs[:nd]) if seq.compacted]
+        if compacted:
+            columns[self._tensor(compacted)] = 0
+        slots = tables[seq_of_token, columns] * bs + positions % bs
         prefill_lens = [a + n for a, n in zip(starts[nd:], batch.num_new_tokens[nd:])]
         meta = AttentionMetadata(
             slot_mapping=slots,
@@ -192,6 +195,6 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _page_table(self, seqs: list[Sequence]) -> Tensor:
-        width = max((len(s.block_table) for s in seqs), default=0)
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        width = max([1, *(len(s.block_table) for s in seqs)])  # one column at least: compacted rows name it
+        rows = [s.block_table + [NULL_PAGE] * (width - len(s.block_table)) for s in seqs]
         return torch.tensor(rows, dtype=torch.int64, device=self.device).view(len(seqs), width)

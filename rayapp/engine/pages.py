@@ -9,8 +9,10 @@ from typing import NamedTuple
 
 from rayapp.blocks import BlockHash
 
-# A block-table entry whose page was released after its K/V moved to the host pool.
-OFFLOADED = -1
+# The pool's page that is never handed out (`KVPool`): table entries with no device page name it.
+NULL_PAGE = 0
+# A block-table entry whose page was released after its K/V moved to the host pool: the null page.
+OFFLOADED = NULL_PAGE
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ class Sequence:
     """A prompt plus the tokens generated so far.
 
     Invariants: `num_computed_tokens <= num_tokens`; the first `num_computed_tokens` tokens have
-    their K/V in the pages of `block_table` (in token order); `block_table` is append-only while
-    the sequence runs and emptied only when the sequence is freed or preempted.
+    their K/V in the pages of `block_table` (in token order), until layer-wise compression compacts
+    them into per-layer slots of `carrier_pages`; `block_table` is append-only while the sequence
+    runs and emptied only when the sequence is freed, preempted or compacted.
     """
 
     def __init__(
@@ -63,12 +64,17 @@ class Sequence:
         # Prompt tokens a prefix-cache hit must leave to compute (sparse retrieval scores blocks with
         # the queries of the prompt's last tokens, so they are recomputed, never served from cache).
         self.min_recompute_tokens = 1
-        # Set while layer-wise compression holds this sequence's KV in per-layer tables
-        # (`LayerwiseKV`): `block_table` then lists the pages those tables carve up, not token pages.
-        self.compacted = False
+        # The pages whose per-layer slots hold this sequence's KV once layer-wise compression compacted it
+        # (`LayerwiseKV` keeps the per-layer tables); `block_table` is then empty.
+        self.carrier_pages: list[int] = []
         # Table indices of prompt pages whose K/V a tier load put straight into the sparse host pool (a long
         # history resumed with offload on): admission maps them to `OFFLOADED` instead of device pages.
         self.host_pages = range(0)
+
+    @property
+    def compacted(self) -> bool:
+        """Whether layer-wise compression holds this sequence's KV (in `carrier_pages`)."""
+        return bool(self.carrier_pages)
 
     @property
     def num_tokens(self) -> int:

@@ -87,7 +87,7 @@ class SparseKV:
             self.L,
             self.Hkv,
             runner.num_cache_blocks,
-            runner.num_pages,
+            runner.pool.region("sparse_cache").base,
             self.policy.pages_per_block,
             0,
             self.max_blocks,
@@ -187,7 +187,7 @@ class SparseKV:
         self.end_step()
 
     def _represent(self, pages: list[list[int]], rows: list[int], blocks: list[int]) -> None:
-        k_cache = self.runner.k_cache  # [L, P, bs, Hkv, D]
+        k_cache = self.runner.pool.k  # [L, P, bs, Hkv, D]
         n, rb = len(pages), self.cfg.retrieval_block_size
         # keys: [L * n, rb, Hkv, D]
         keys = k_cache.index_select(1, self._tensor(pages).view(-1)).view(self.L * n, rb, self.Hkv, self.D)
@@ -197,8 +197,8 @@ class SparseKV:
     def _offload(self, pages: list[list[int]], owners: list[tuple[Sequence, _SeqState, int]]) -> None:
         ids = self.pool.allocate(len(pages))
         page_t = self._tensor(pages)
-        copy_blocks_to_host(self.pool, self.runner.k_cache, page_t, ids, is_v=False)
-        copy_blocks_to_host(self.pool, self.runner.v_cache, page_t, ids, is_v=True)
+        copy_blocks_to_host(self.pool, self.runner.pool.k, page_t, ids, is_v=False)
+        copy_blocks_to_host(self.pool, self.runner.pool.v, page_t, ids, is_v=True)
         ppb, init = self.policy.pages_per_block, self.policy.init_pages
         for (seq, st, j), host_id in zip(owners, ids):
             self.host_ids[st.row, j] = host_id
@@ -257,8 +257,8 @@ class SparseKV:
             num_selected=self._tensor(ks),
             fixed_pages=self._tensor([f + [0] * (width - len(f)) for f in fixed]),
             fixed_lens=self._tensor([n + [0] * (width - len(n)) for n in lens]),
-            middle_pages=tables[sparse_t][:, mid_cols].clamp(min=0).view(len(sparse), n_max, ppb),
-            full_table=tables[sparse_t, :full_w].clamp(min=0),
+            middle_pages=tables[sparse_t][:, mid_cols].view(len(sparse), n_max, ppb),
+            full_table=tables[sparse_t, :full_w],
             full_ctx=self._tensor(ctxs),
             offload=torch.tensor([states[i].mode is AttentionMode.OFFLOAD for i in sparse], device=self.device),
             reselect=None if all(due) else torch.tensor(due, device=self.device),

@@ -216,11 +216,10 @@ class TierConnector:
         bs, start, blocks = self.block_size, load.ask.local_blocks, load.blocks
         if not blocks or local.num_tokens != start * bs:
             return (0, 0)
-        k_pool = self.runner.k_cache
-        page_shape = (k_pool.shape[0], *k_pool.shape[2:])
+        pool = self.runner.pool
         usable: list[TierBlock] = []
         for i, block in enumerate(blocks, start=start):
-            fits = tuple(block.key.shape) == page_shape and block.key.dtype == k_pool.dtype
+            fits = tuple(block.key.shape) == pool.page_shape and block.key.dtype == pool.k.dtype
             if not fits or i >= len(seq.block_hashes) or block.block_hash != seq.block_hashes[i]:
                 break
             usable.append(block)
@@ -311,19 +310,15 @@ class TierConnector:
             [b.block_hash for b in blocks], parent, [b.token_ids for b in blocks], keep=keep
         )
         if page_ids:
-            n, k_pool = len(page_ids), self.runner.k_cache
-            pages = torch.tensor(page_ids, device=k_pool.device)
+            n = len(page_ids)
             # [L, n, bs, Hkv, D] scattered into the pool's page dimension, all layers at once.
-            key = torch.stack([b.key for b in blocks[:n]], dim=1).to(k_pool.device)
-            value = torch.stack([b.value for b in blocks[:n]], dim=1).to(k_pool.device)
-            k_pool.index_copy_(1, pages, key)
-            self.runner.v_cache.index_copy_(1, pages, value)
+            key = torch.stack([b.key for b in blocks[:n]], dim=1)
+            value = torch.stack([b.value for b in blocks[:n]], dim=1)
+            self.runner.pool.scatter(page_ids, key, value)
         return tuple(page_ids)
 
     def _write_through(self, stored: BlockStored, cache_salt: str) -> None:
         page_ids = [self.block_manager.cached_page(h) for h in stored.block_hashes]
-        pages = torch.tensor(page_ids, device=self.runner.k_cache.device)
         # One gather per run of blocks: [L, n, bs, Hkv, D], a copy the tier owns (the pages get reused).
-        key = self.runner.k_cache.index_select(1, pages).to("cpu")
-        value = self.runner.v_cache.index_select(1, pages).to("cpu")
+        key, value = (kv.to("cpu") for kv in self.runner.pool.gather(page_ids))
         self.tier.write(stored, cache_salt, key, value)

@@ -44,7 +44,7 @@ def finished(bm: BlockManager, tokens, seq_id: str = "finished") -> tuple[Sequen
 
 
 def pool_state(bm: BlockManager) -> tuple:
-    return bm.num_free_pages, bm.num_cached_pages, [bm.page_info(p) for p in range(bm.num_pages)]
+    return bm.num_free_pages, bm.num_cached_pages, [bm.page_info(p) for p in bm.page_ids]
 
 
 def removed_hashes(events) -> set[BlockHash]:

@@ -21,7 +21,7 @@ def make_seq(tokens, seq_id: str, salt: str = "") -> Sequence:
 
 
 def pool_state(bm: BlockManager) -> tuple:
-    return bm.num_free_pages, bm.num_cached_pages, [bm.page_info(p) for p in range(bm.num_pages)]
+    return bm.num_free_pages, bm.num_cached_pages, [bm.page_info(p) for p in bm.page_ids]
 
 
 NUM_PAGES = 8
@@ -54,7 +54,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(NUM_PAGES, BS, MODEL)
         self.running: list[Sequence] = []
         self.waiting: list[Sequence] = []  # preempted: no pages, computed count reset
-        self.kv: dict[int, list[tuple[str, tuple[int, ...]] | None]] = {p: [None] * BS for p in range(NUM_PAGES)}
+        self.kv: dict[int, list[tuple[str, tuple[int, ...]] | None]] = {p: [None] * BS for p in self.bm.page_ids}
         self.index: set[BlockHash] = set()  # what a router learns from the events
         # Naive model: (salt, token prefix of whole blocks) <-> hash of its last block.
         self.naive: dict[tuple[str, tuple[int, ...]], BlockHash] = {}
@@ -195,10 +195,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def pages_are_accounted_for(self):
         self.bm.check_invariants()
-        infos = [self.bm.page_info(p) for p in range(NUM_PAGES)]
+        infos = [self.bm.page_info(p) for p in self.bm.page_ids]
         tables = [seq.block_table for seq in self.running]
         assert all(len(set(t)) == len(t) for t in tables) and not any(seq.block_table for seq in self.waiting)
-        assert [i.ref_count for i in infos] == [sum(p in t for t in tables) for p in range(NUM_PAGES)]
+        assert [i.ref_count for i in infos] == [sum(p in t for t in tables) for p in self.bm.page_ids]
         assert self.bm.num_free_pages == sum(i.ref_count == 0 for i in infos)
         assert self.bm.num_used_pages == NUM_PAGES - self.bm.num_free_pages
         assert self.bm.num_cached_pages == sum(i.ref_count == 0 and i.block_hash is not None for i in infos)
@@ -208,7 +208,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self.running:  # its table covers every computed token, each with its own K/V
             for pos in range(seq.num_computed_tokens):
                 assert self.kv[seq.block_table[pos // BS]][pos % BS] == kv_of(seq, pos)
-        for p in range(NUM_PAGES):
+        for p in self.bm.page_ids:
             info = self.bm.page_info(p)
             if info.block_hash is None:
                 continue

@@ -9,6 +9,7 @@ from rayapp import LLM, SamplingParams
 from rayapp.config import AppConfig, EngineConfig, LayerwiseConfig, LayerwiseSettings, SparseConfig
 from rayapp.engine.layerwise_kv import LayerwiseKV
 from rayapp.engine.llm_engine import LLMEngine
+from rayapp.engine.pages import NULL_PAGE
 from rayapp.sparse.evaluation import needle_case
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -50,7 +51,7 @@ def test_compaction_keeps_exactly_the_selected_tokens(llm, prompts, monkeypatch)
     compact = LayerwiseKV._compact
 
     def spy(self, seq, cap):  # the prompt's dense K and the selection, just before compaction
-        seen.update(k=runner.k_cache.clone(), pages=list(seq.block_table), n=seq.num_computed_tokens, cap=cap)
+        seen.update(k=runner.pool.k.clone(), pages=list(seq.block_table), n=seq.num_computed_tokens, cap=cap)
         compact(self, seq, cap)
 
     monkeypatch.setattr(LayerwiseKV, "_compact", spy)
@@ -60,7 +61,7 @@ def test_compaction_keeps_exactly_the_selected_tokens(llm, prompts, monkeypatch)
     n, cap, bs = seen["n"], seen["cap"], engine.block_manager.block_size
     state = engine.layerwise._compacted["kept"]
     pages = torch.tensor(seen["pages"][: -(-n // bs)])
-    flat = runner.k_cache.view(-1, *runner.k_cache.shape[-2:])
+    flat = runner.pool.slots()[0].flatten(0, 1)
     for layer in range(engine.spec.num_layers):
         keys = seen["k"][layer].index_select(0, pages).view(-1, *flat.shape[1:])[:n]
         kept = state.lens[layer]
@@ -75,6 +76,22 @@ def test_compaction_keeps_exactly_the_selected_tokens(llm, prompts, monkeypatch)
             assert torch.equal(flat[rows], expected)
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_compacted_sequence_holds_carrier_pages_and_no_token_table(llm, prompts):
+    llm.engine.use_layerwise_config(ON)
+    engine = llm.engine
+    engine.add_request("carried", prompt_token_ids=prompts[1], params=SamplingParams(max_tokens=8, ignore_eos=True))
+    seq = engine._requests["carried"].seq
+    while not seq.compacted:
+        engine.step()
+    carriers = list(seq.carrier_pages)
+    assert seq.block_table == [] and carriers and NULL_PAGE not in carriers
+    while engine.has_unfinished_requests():  # decoding grows the per-layer tables, never the token table
+        assert seq.block_table == []
+        engine.step()
+    assert (seq.carrier_pages, engine.block_manager.num_used_pages) == ([], 0)
+    assert not engine.runner.pool.k[:, NULL_PAGE].any() and not engine.runner.pool.v[:, NULL_PAGE].any()
 
 
 def test_pages_freed_by_compaction_let_more_sequences_run():

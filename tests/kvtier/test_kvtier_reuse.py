@@ -92,7 +92,7 @@ def test_prefill_and_decode_blocks_are_written_and_announced_for_the_router(engi
     written, skipped = b.tier.counters["written_blocks"], b.tier.counters["skipped_blocks"]
     first = events[0]
     n = len(first.block_hashes)
-    pool = b.engine.runner.k_cache
+    pool = b.engine.runner.pool.k
     copy = torch.zeros(pool.shape[0], n, *pool.shape[2:], dtype=pool.dtype)
     b.tier.write(first, "", copy, copy)
     b.tier.flush()
