@@ -19,7 +19,7 @@ from torch import Tensor
 from rayapp.config import EngineConfig
 from rayapp.engine.attention import DecodePlan, QueryCapture
 from rayapp.engine.block_manager import BlockManager
-from rayapp.engine.pages import OFFLOADED
+from rayapp.engine.pages import NULL_PAGE, OFFLOADED
 from rayapp.engine.sequence import Sequence
 from rayapp.engine.sparse_resume import HostResume
 from rayapp.kernels.attention import paged_decode_attention
@@ -255,7 +255,7 @@ class SparseKV:
             rows=rows,
             num_middle=self._tensor(mids),
             num_selected=self._tensor(ks),
-            fixed_pages=self._tensor([f + [0] * (width - len(f)) for f in fixed]),
+            fixed_pages=self._tensor([f + [NULL_PAGE] * (width - len(f)) for f in fixed]),
             fixed_lens=self._tensor([n + [0] * (width - len(n)) for n in lens]),
             middle_pages=tables[sparse_t][:, mid_cols].view(len(sparse), n_max, ppb),
             full_table=tables[sparse_t, :full_w],

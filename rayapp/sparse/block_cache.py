@@ -1,7 +1,7 @@
 """The device block cache: an LRU of retrieval blocks per layer and KV head, in device pages.
 
 Offloaded sequences attend their selected middle blocks from here. The cache owns a fixed run
-of device pages, `slots` retrieval blocks long, after the BlockManager's pool; slot `s` of
+of device pages, `slots` retrieval blocks long (the engine's `KVPool` region `sparse_cache`); slot `s` of
 layer `l` and KV head `h` is `k_cache[l][base + s * ppb : base + (s + 1) * ppb, :, h]`, so each
 (layer, head) pair is an independent LRU over the same pages. All bookkeeping is tensors, so a
 step costs a few vectorized ops per layer, not a Python loop over blocks.
