@@ -12,9 +12,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from dataclasses import replace
 
 import torch
-from serve_multiturn import PAGES, LoadSummary, RequestRecord, TurnFn, Workload, run_workload, warm_up_messages
+from serve_multiturn import (
+    PAGES,
+    EngineWork,
+    LoadSummary,
+    RequestRecord,
+    TurnFn,
+    Workload,
+    run_workload,
+    warm_up_messages,
+)
 
 from rayapp.config import AppConfig
 from rayapp.engine.async_engine import AsyncLLMEngine
@@ -49,9 +59,12 @@ def engine_turns(engine: AsyncLLMEngine) -> TurnFn:
     return turn
 
 
-async def _warm_up_and_run(turns: TurnFn, workload: Workload) -> LoadSummary:
+async def _warm_up_and_run(engine: AsyncLLMEngine, workload: Workload) -> LoadSummary:
+    turns = engine_turns(engine)
     await asyncio.gather(*(turns(m, 64, 0) for m in warm_up_messages()))
-    return await run_workload(turns, workload, PAGES["rayapp"])
+    before = await engine.stats()
+    summary = await run_workload(turns, workload, PAGES["rayapp"])
+    return replace(summary, engine=EngineWork.between(before, await engine.stats()))
 
 
 def run_offline(app_args: dict, workload: Workload) -> LoadSummary:
@@ -64,7 +77,7 @@ def run_offline(app_args: dict, workload: Workload) -> LoadSummary:
     torch.set_num_threads(max(1, int(config.num_cpus)))
     engine = AsyncLLMEngine.from_config(config.engine_config())
     try:
-        return asyncio.run(_warm_up_and_run(engine_turns(engine), workload))
+        return asyncio.run(_warm_up_and_run(engine, workload))
     finally:
         engine.shutdown()
         torch.set_num_threads(threads)

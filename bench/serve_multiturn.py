@@ -29,7 +29,10 @@ sharing nothing with the workload) on an idle host; the cached prompt share
 cached tokens / reusable tokens, a turn's reusable tokens being the previous turn's prompt rounded down to the
 server's pages (what that turn left cached where it ran). While each server is under load, the CPU seconds its
 processes spend, summed by process name (where the host's two cores went). `--no-kvtier` runs rayapp's systems
-with the cluster tier off (rayapp.config.yaml has it on), to measure what the tier costs.
+with the cluster tier off (rayapp.config.yaml has it on), to measure what the tier costs. For rayapp's engine
+(served, from `/metrics`, and offline), what the engine did under the load by its own counters: steps, mean step
+time, tokens computed per step (prompt tokens not served from cache, plus generated ones) and the step thread's
+CPU share of its step time, to tell slower steps from smaller batches.
 Then the ratios of each rayapp system to the anchor. Each phase (start, warm-up, load) is bounded by
 `--phase-timeout`, and each server is stopped whatever happens: SIGINT, then SIGTERM/SIGKILL to every process it
 started, found by a tag in their environment (never `ray stop --force`, which kills every Ray cluster on the host).
@@ -58,7 +61,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from openai import AsyncOpenAI, OpenAIError
@@ -152,6 +155,33 @@ WORKLOADS = {
 }
 
 
+# rayapp's engine counters that say how its steps went (`EngineWork`), by their names in `LLMEngine.stats`.
+ENGINE_COUNTERS = (
+    "engine_steps",
+    "engine_step_seconds",
+    "engine_step_cpu_seconds",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "generation_tokens",
+)
+
+
+@dataclass(frozen=True)
+class EngineWork:
+    """What rayapp's engines did during a load, from their own counters (summed over replicas)."""
+
+    steps: int
+    step_s: float
+    step_cpu_s: float  # of the step thread alone; below step_s by what the step waited for (GIL, a core)
+    computed_tokens: int  # prompt tokens not served from cache, plus generated tokens
+
+    @classmethod
+    def between(cls, before: dict[str, float], after: dict[str, float]) -> EngineWork:
+        d = {name: after[name] - before[name] for name in ENGINE_COUNTERS}
+        computed = d["prompt_tokens"] - d["cached_prompt_tokens"] + d["generation_tokens"]
+        return cls(int(d["engine_steps"]), d["engine_step_seconds"], d["engine_step_cpu_seconds"], int(computed))
+
+
 @dataclass(frozen=True)
 class LoadSummary:
     requests: int
@@ -162,6 +192,7 @@ class LoadSummary:
     output_tokens_per_s: float
     cached_share: float | None  # cached prompt tokens / prompt tokens, over requests that report it
     hit_share: float | None  # turns 2..T: cached tokens / the previous turn's prompt in whole pages
+    engine: EngineWork | None = None  # rayapp's engine only
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -286,10 +317,33 @@ def summarize(conversations: list[list[RequestRecord]], wall_s: float, page: int
     )
 
 
+async def _engine_counters(client: AsyncOpenAI) -> dict[str, float] | None:
+    """rayapp's `ENGINE_COUNTERS` summed over replicas, from `/metrics` (None: the server does not report them).
+
+    Replicas push their numbers twice a second: wait for the push that follows the last step."""
+    from prometheus_client.parser import text_string_to_metric_families  # rayapp's dependency, not the anchor's
+
+    await asyncio.sleep(1.5)
+    try:
+        response = await client.get(f"{str(client.base_url).rstrip('/').removesuffix('/v1')}/metrics", cast_to=str)
+    except OpenAIError:
+        return None
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(response):
+        name = family.name.removeprefix("rayapp_")
+        if family.name.startswith("rayapp_") and name in ENGINE_COUNTERS:
+            totals[name] = sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
+    return totals if len(totals) == len(ENGINE_COUNTERS) else None
+
+
 async def run_load(base_url: str, model: str, workload: Workload, page: int) -> LoadSummary:
-    """Run a workload once against an OpenAI-compatible server (KV pages of `page` tokens) and summarize it."""
+    """Run a workload once against an OpenAI-compatible server (KV pages of `page` tokens) and summarize it,
+    with rayapp's engine counters where the server reports them."""
     async with openai_client(base_url) as client:
-        return await run_workload(http_turns(client, model), workload, page)
+        before = await _engine_counters(client)
+        summary = await run_workload(http_turns(client, model), workload, page)
+        after = None if before is None else await _engine_counters(client)
+        return summary if after is None else replace(summary, engine=EngineWork.between(before, after))
 
 
 def warm_up_messages() -> list[list[dict[str, str]]]:
@@ -552,6 +606,23 @@ def _share(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
 
+# The rows of rayapp's engine counters: label, cell(engine work, wall s).
+ENGINE_ROWS: list[tuple[str, Callable[[EngineWork, float], str]]] = [
+    ("engine steps", lambda e, _: f"{e.steps}"),
+    ("step ms (mean)", lambda e, _: f"{1000 * e.step_s / e.steps:.1f}"),
+    ("tokens per step", lambda e, _: f"{e.computed_tokens / e.steps:.1f}"),
+    ("steps' share of wall", lambda e, wall_s: f"{e.step_s / wall_s:.0%}"),
+    ("step thread CPU share", lambda e, _: f"{e.step_cpu_s / e.step_s:.0%}"),
+]
+
+
+def _engine_cell(summary: LoadSummary, cell: Callable[[EngineWork, float], str]) -> str:
+    """n/a for a server that does not report rayapp's engine counters."""
+    if summary.engine is None or summary.engine.steps == 0:
+        return "n/a"
+    return cell(summary.engine, summary.wall_s)
+
+
 def print_table(summaries: dict[str, LoadSummary], workload: Workload) -> None:
     print(
         f"\nworkload {workload.name}: {workload.replicas} replica(s), {workload.conversations} conversations x "
@@ -568,6 +639,8 @@ def print_table(summaries: dict[str, LoadSummary], workload: Workload) -> None:
         ("cached prompt share", [_share(s.cached_share) for s in summaries.values()]),
         ("delivered hit share", [_share(s.hit_share) for s in summaries.values()]),
     ]
+    if any(s.engine is not None for s in summaries.values()):
+        rows += [(label, [_engine_cell(s, cell) for s in summaries.values()]) for label, cell in ENGINE_ROWS]
     print(f"{'':<22}" + "".join(f"{n:>14}" for n in summaries))
     for label, cells in rows:
         print(f"{label:<22}" + "".join(f"{c:>14}" for c in cells))

@@ -139,14 +139,14 @@ class LayerwiseKV:
         num_new: list[int],
         tables: Tensor,
         slot_mapping: Tensor,
+        comp: list[int],
     ) -> LayerwisePlan | None:
         """The step's plan (None when no row is compacted and no prefill row is in a window).
 
         `tables` are the sequences' page tables as the step built them, `slot_mapping` [T] each
-        token's slot within one layer.
+        token's slot within one layer, `comp` the compacted decode rows.
         """
         plan = LayerwisePlan(self._plan_capture(seqs, num_decodes, starts, num_new, tables))
-        comp = [i for i in range(num_decodes) if seqs[i].compacted]
         if comp:
             self._plan_compacted(plan, seqs, comp, slot_mapping)
         return None if plan.capture is None and plan.compact_idx is None else plan

@@ -158,15 +158,16 @@ class ModelRunner:
             meta.sparse_capture = self.sparse.plan_capture(batch.seqs[nd:], starts[nd:], batch.num_new_tokens[nd:])
             meta.prefill_host = self.sparse.resume.plan_prefill_host(batch.seqs[nd:])
         if self.layerwise is not None:
-            meta.layerwise = self.layerwise.plan(batch.seqs, nd, starts, batch.num_new_tokens, tables, slots)
+            meta.layerwise = self.layerwise.plan(batch.seqs, nd, starts, batch.num_new_tokens, tables, slots, compacted)
         if nd:
-            meta.decode_groups = self._decode_groups(batch.seqs[:nd], tables[:nd], meta.layerwise)
+            meta.decode_groups = self._decode_groups(batch.seqs[:nd], compacted, tables[:nd], meta.layerwise)
         return self._tensor(ids), positions, meta, sample_rows, sample_seqs
 
-    def _decode_groups(self, seqs: list[Sequence], tables: Tensor, lw: LayerwisePlan | None) -> list[DecodeGroup]:
-        """Each decode row in one group: compacted rows over their own tables; the others as sparse retrieval
-        plans them (in their order), dense where it does not."""
-        compacted = [i for i, s in enumerate(seqs) if s.compacted]
+    def _decode_groups(
+        self, seqs: list[Sequence], compacted: list[int], tables: Tensor, lw: LayerwisePlan | None
+    ) -> list[DecodeGroup]:
+        """Each decode row in one group: the `compacted` rows over their own tables; the others as sparse
+        retrieval plans them (in their order), dense where it does not."""
         shared = [i for i, s in enumerate(seqs) if not s.compacted]
         groups = []
         if compacted:
