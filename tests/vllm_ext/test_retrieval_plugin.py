@@ -35,7 +35,7 @@ from rayapp.vllm_ext.retrieval import (  # noqa: E402
 )
 
 SCALED = {"init_tokens": 64, "local_tokens": 512, "retrieval_block_size": 64, "dense_boundary": 1024}
-ENGINE = {"dtype": "float32", "block_size": 64, "kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
+ENGINE = {"dtype": "bfloat16", "block_size": 64, "kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 DEPTHS = [0.1, 0.3, 0.5, 0.7, 0.9, 0.2, 0.4, 0.6]
 # What a vLLM replica backend with `sparse:` sets in its process.
@@ -176,7 +176,7 @@ def test_a_vllm_replica_with_sparse_enabled_runs_the_plugin_and_reports_it(promp
 
     needles = prompts[1][4:]
     config = AppConfig(
-        engine="vllm", dtype="float32", block_size=64, kv_cache_memory_gb=1.0, engine_kwargs={"enforce_eager": True},
+        engine="vllm", dtype="bfloat16", block_size=64, kv_cache_memory_gb=1.0, engine_kwargs={"enforce_eager": True},
         sparse={"enabled": True, "topk_percent": 0.02, **SCALED},
     )  # fmt: skip
 
