@@ -207,7 +207,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def _stream_turn(
-    client: AsyncOpenAI, model: str, messages: list[dict[str, str]], max_tokens: int, turn: int
+    client: AsyncOpenAI,
+    model: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    turn: int,
+    user: str | None = None,
 ) -> tuple[RequestRecord, str]:
     start = time.perf_counter()
     stream = await client.chat.completions.create(
@@ -217,6 +222,7 @@ async def _stream_turn(
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
+        **({"user": user} if user else {}),
     )
     arrivals: list[float] = []
     text: list[str] = []
@@ -254,9 +260,9 @@ def openai_client(base_url: str) -> AsyncOpenAI:
 TurnFn = Callable[[list[dict[str, str]], int, int], Awaitable[tuple[RequestRecord, str]]]
 
 
-def http_turns(client: AsyncOpenAI, model: str) -> TurnFn:
-    """Turns streamed from an OpenAI-compatible server."""
-    return functools.partial(_stream_turn, client, model)
+def http_turns(client: AsyncOpenAI, model: str, user: str | None = None) -> TurnFn:
+    """Turns streamed from an OpenAI-compatible server (as `user`, where given)."""
+    return functools.partial(_stream_turn, client, model, user=user)
 
 
 async def run_conversation(
@@ -336,12 +342,12 @@ async def _engine_counters(client: AsyncOpenAI) -> dict[str, float] | None:
     return totals if len(totals) == len(ENGINE_COUNTERS) else None
 
 
-async def run_load(base_url: str, model: str, workload: Workload, page: int) -> LoadSummary:
-    """Run a workload once against an OpenAI-compatible server (KV pages of `page` tokens) and summarize it,
-    with rayapp's engine counters where the server reports them."""
+async def run_load(base_url: str, model: str, workload: Workload, page: int, user: str | None = None) -> LoadSummary:
+    """Run a workload once against an OpenAI-compatible server (KV pages of `page` tokens, requests as `user`)
+    and summarize it, with rayapp's engine counters where the server reports them."""
     async with openai_client(base_url) as client:
         before = await _engine_counters(client)
-        summary = await run_workload(http_turns(client, model), workload, page)
+        summary = await run_workload(http_turns(client, model, user), workload, page)
         after = None if before is None else await _engine_counters(client)
         return summary if after is None else replace(summary, engine=EngineWork.between(before, after))
 
@@ -665,6 +671,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", help="measure only this running OpenAI-compatible server, e.g. http://host:8000")
     parser.add_argument("--page", type=int, default=16, help="--base-url: the server's KV page size in tokens")
+    parser.add_argument(
+        "--fresh-user",
+        action="store_true",
+        help="--base-url: send each run as a new OpenAI `user`, so a rayapp server without API keys (which salts "
+        "its cache by user) serves it as cold as the first; vLLM ignores `user`",
+    )
     parser.add_argument("--systems", nargs="+", choices=list(PAGES), default=list(PAGES))
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--model", default=MODEL_NAME, help="model name the server answers to")
@@ -688,7 +700,8 @@ def main() -> None:
 
     if args.base_url:
         for name in args.workloads:
-            summary = asyncio.run(run_load(args.base_url, args.model, WORKLOADS[name], args.page))
+            user = uuid.uuid4().hex if args.fresh_user else None
+            summary = asyncio.run(run_load(args.base_url, args.model, WORKLOADS[name], args.page, user))
             print_table({args.base_url: summary}, WORKLOADS[name])
         return
     if "anchor" in args.systems and (args.anchor_venv is None or not (args.anchor_venv / "bin/python").exists()):
