@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,16 +14,30 @@ from ray import serve
 from rayapp.config import AppConfig
 from rayapp.deployments.builder import build
 
+# Ray's workers listen on 10002-19999 (its default worker ports), and its other processes on ports the kernel hands
+# out (32768 and up on Linux): a port between the two is still free when Serve's proxy binds it after Ray started.
+# (A port the kernel handed out to the test was once taken by one of Ray's processes first: the proxy never bound.)
+_PROXY_PORTS = range(20000, 32768)
+
+
+def _free_port() -> int:
+    for port in random.sample(_PROXY_PORTS, 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {_PROXY_PORTS}")
+
 
 @contextmanager
 def _serve_app(config: AppConfig) -> Iterator[str]:
     """Start a local Ray and Serve, deploy `build(config)` as application "rayapp"; yield its base URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
+    try:  # Ray goes down whatever fails, or every later module's ray.init fails too
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build(config), name="rayapp", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -30,6 +45,12 @@ def _serve_app(config: AppConfig) -> Iterator[str]:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """`free_port()`: a port for Serve's HTTP proxy that Ray's own processes will not take while they start."""
+    return _free_port
 
 
 @pytest.fixture(scope="session")

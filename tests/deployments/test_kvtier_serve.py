@@ -9,7 +9,6 @@ history's blocks and says so in `usage.prompt_tokens_details.cached_tokens`. Onc
 from __future__ import annotations
 
 import importlib.util
-import socket
 import time
 
 import httpx
@@ -34,12 +33,6 @@ ENGINES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=ENGINES)
 def config(request, tmp_path_factory) -> AppConfig:
     tier = {"enabled": True, "data_dir": f"{tmp_path_factory.mktemp('kvtier-serve')}/db"}
@@ -52,16 +45,20 @@ def config(request, tmp_path_factory) -> AppConfig:
 
 
 @pytest.fixture(scope="module")
-def base_url(config):
-    port = _free_port()
+def base_url(config, free_port):
+    port = free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    for app in ("tier-a", "tier-b"):
-        serve.run(build(config, app_name=app), name=app, route_prefix=f"/{app}")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    stop_embedded_database()
-    ray.shutdown()
+    try:  # Ray goes down whatever fails, or every later module's ray.init fails too
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for app in ("tier-a", "tier-b"):
+            serve.run(build(config, app_name=app), name=app, route_prefix=f"/{app}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+            stop_embedded_database()
+        finally:
+            ray.shutdown()
 
 
 def _wait_for_tier(config: AppConfig, app: str, prompt_tokens: int) -> None:
