@@ -32,13 +32,15 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _serve_app(config: AppConfig) -> Iterator[str]:
-    """Start a local Ray and Serve, deploy `build(config)` as application "rayapp"; yield its base URL."""
+def _serve_app(config: AppConfig, apps: dict[str, str] | None = None) -> Iterator[str]:
+    """Start a local Ray and Serve, deploy `build(config)` under each application name of `apps` at its route
+    prefix (by default "rayapp" at "/"); yield the base URL."""
     port = _free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:  # Ray goes down whatever fails, or every later module's ray.init fails too
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(config), name="rayapp", route_prefix="/")
+        for name, route_prefix in (apps or {"rayapp": "/"}).items():
+            serve.run(build(config, app_name=name), name=name, route_prefix=route_prefix)
         yield f"http://127.0.0.1:{port}"
     finally:
         try:
@@ -48,12 +50,6 @@ def _serve_app(config: AppConfig) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def free_port():
-    """`free_port()`: a port for Serve's HTTP proxy that Ray's own processes will not take while they start."""
-    return _free_port
-
-
-@pytest.fixture(scope="session")
 def serve_app():
-    """`with serve_app(config) as base_url:` a running application of `config` (module fixtures use it)."""
+    """`with serve_app(config[, apps]) as base_url:` running applications of `config` (module fixtures use it)."""
     return _serve_app

@@ -13,11 +13,9 @@ import time
 
 import httpx
 import pytest
-import ray
 from ray import serve
 
 from rayapp.config import AppConfig
-from rayapp.deployments.builder import build
 from rayapp.kvtier.catalog import Catalog
 from rayapp.kvtier.embedded import start_embedded_database, stop_embedded_database
 
@@ -45,20 +43,12 @@ def config(request, tmp_path_factory) -> AppConfig:
 
 
 @pytest.fixture(scope="module")
-def base_url(config, free_port):
-    port = free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    try:  # Ray goes down whatever fails, or every later module's ray.init fails too
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        for app in ("tier-a", "tier-b"):
-            serve.run(build(config, app_name=app), name=app, route_prefix=f"/{app}")
-        yield f"http://127.0.0.1:{port}"
-    finally:
+def base_url(config, serve_app):
+    with serve_app(config, {app: f"/{app}" for app in ("tier-a", "tier-b")}) as url:
         try:
-            serve.shutdown()
-            stop_embedded_database()
+            yield url
         finally:
-            ray.shutdown()
+            stop_embedded_database()  # through its Ray actor: before Ray goes down
 
 
 def _wait_for_tier(config: AppConfig, app: str, prompt_tokens: int) -> None:

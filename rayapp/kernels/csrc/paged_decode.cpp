@@ -220,7 +220,7 @@ struct Decode {
     const int64_t page_elems = bs * Hkv * D;
     for (int64_t t0 = 0, p = 0; t0 < n; t0 += bs, ++p) {
       const T* page = cache + pages[p] * page_elems;
-      if (p == 0)
+      if (p == 0)  // here, not before the loop: hoisted, the kernel measured 20% slower (code layout, on this CPU)
         for (int64_t a = 1; a < kAhead && a * bs < n; ++a) prefetch_page(cache + pages[a] * page_elems);
       if (t0 + kAhead * bs < n) prefetch_page(cache + pages[p + kAhead] * page_elems);
       if (also != nullptr) prefetch_page(also + pages[p] * page_elems);
