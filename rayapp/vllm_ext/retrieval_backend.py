@@ -7,11 +7,15 @@ prompt alone as in rayapp's engine.) Each other decode row attends to its first 
 `local_tokens` and the top `topk_percent` of the retrieval blocks between, chosen per KV head at every
 layer by scoring the step's query against block representations (`rayapp.kernels.retrieval`).
 
-The sparse attention itself is vLLM's CPU kernel, which reads pages in place: each (sequence, KV
-head) is passed as a sequence of its own with one KV head, over a block table of only the pages
-that head chose. The pages of one head sit at a fixed stride in vLLM's cache
-(`[num_blocks, H, block_size, 2 * D]`), so the cache viewed as `[num_blocks * H, 1, block_size, 2 * D]`
-is the same memory, and page `p` of head `h` is page `p * H + h` there.
+Selection and attention run on rayapp's C++ kernels (`rayapp.kernels.native`) where they can: one pass
+scores every middle block of a row from the representation store and keeps its top k per KV head, and
+the attention reads vLLM's pages in place, in vLLM's `vec` packing, each KV head its own page list.
+Elsewhere (vLLM's `amx` packing, a quantized cache, no AVX-512, another scorer) selection runs in torch
+and the attention is vLLM's CPU kernel: each (sequence, KV head) is passed as a sequence of its own with
+one KV head, over a block table of only the pages that head chose. The pages of one head sit at a fixed
+stride in vLLM's cache (`[num_blocks, H, block_size, 2 * D]`), so the cache viewed as
+`[num_blocks * H, 1, block_size, 2 * D]` is the same memory, and page `p` of head `h` is page `p * H + h`
+there.
 
 Representations are kept per layer beside vLLM's cache, keyed by the physical page that ends the
 block, and recomputed when a page of the block was written after them (`PageEpochs`): vLLM's prefix
@@ -39,6 +43,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from rayapp.kernels import native
 from rayapp.kernels.retrieval import REPRESENTATIVE_ROWS, block_representation, score_blocks, select_topk_blocks
 from rayapp.sparse.policy import RetrievalPolicy
 from rayapp.vllm_ext.pages import cpu_page_keys
@@ -246,6 +251,7 @@ class RetrievalCPUImpl(CPUAttentionBackendImpl):
         # scorer its [rows, H, N, R, D] operand contiguous (a copy of that size otherwise costs as much as scoring).
         self.reps: Tensor | None = None
         self._dense_layer: bool | None = None
+        native.available()  # build (or load) the C++ kernels now, not inside the first sparse step
 
     def forward(
         self,
@@ -292,6 +298,11 @@ class RetrievalCPUImpl(CPUAttentionBackendImpl):
         chosen = rows.middle[torch.arange(Bs)[:, None, None], blocks].view(Bs, H, -1)  # [Bs, H, K * ppb]
         sources = torch.cat([rows.init.expand(Bs, H, -1), chosen, rows.window.expand(Bs, H, -1)], dim=2)
         pages = sources.gather(2, rows.order.expand(Bs, H, -1))  # [Bs, H, T]
+        if self.kv_cache_dtype == "auto" and native.handles_vec_pages(q_rows, kv_cache, layer.isa):
+            lens = rows.seq_lens.view(Bs, H)[:, 0]
+            attended = native.vec_pages_decode_attention(q_rows, kv_cache, pages, lens, self.scale)
+            out.index_copy_(0, rows.tokens, attended)
+            return
         heads = torch.arange(H)[None, :, None]
         table = (pages * H + heads).view(Bs * H, -1).to(torch.int32)
         out_rows = torch.empty(Bs * H, G, D, dtype=q.dtype)
@@ -310,10 +321,13 @@ class RetrievalCPUImpl(CPUAttentionBackendImpl):
             n, ppb = rows.stale.shape
             keys = cpu_page_keys(kv_cache, isa, rows.stale.reshape(-1)).reshape(n, ppb * bs, H, D2 // 2)
             self.reps[:, rows.stale[:, -1]] = block_representation(keys, kind, R).transpose(0, 1)
+        ends = rows.middle[:, :, -1]  # each block's last page, its key in the store
+        if native.handles_selection(q, kind):
+            return native.select_retrieval_blocks(q, self.reps, ends, rows.num_middle, rows.num_selected)
         _, P, rows_per_block, D = self.reps.shape
         Bs, N = rows.middle.shape[:2]
         # Row h * P + page of the flat store is head h's representation of the block ending at `page`.
-        index = (torch.arange(H)[None, :, None] * P + rows.middle[:, None, :, -1]).view(-1)
+        index = (torch.arange(H)[None, :, None] * P + ends[:, None]).view(-1)
         reps = self.reps.view(H * P, -1).index_select(0, index).view(Bs, H, N, rows_per_block, D)
         scores = score_blocks(q, reps.transpose(1, 2), kind)
         blocks, _ = select_topk_blocks(scores, rows.num_middle, rows.num_selected)
