@@ -540,7 +540,9 @@ def _engine_processes(engine: str) -> list:
 
     def named(p) -> bool:
         if engine == "vllm":
-            return "EngineCore" in " ".join(p.info["cmdline"] or [p.info["name"] or ""])
+            # vLLM titles its engine core `VLLM::EngineCore`. Where the title did not reach the command line (a CI
+            # run found none here for a minute, its engine core alive), /proc's 15-character name has `VLLM::EngineCor`.
+            return "EngineCore" in " ".join(p.info["cmdline"] or []) or "EngineCor" in (p.info["name"] or "")
         return p.info["name"] == PROCESS_NAME
 
     # psutil caches a Process per PID across calls and skips (once) one whose PID was reused since: after the PIDs

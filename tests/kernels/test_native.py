@@ -156,6 +156,12 @@ def _vllm_vec_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tenso
     return torch.cat([k, v], dim=2).view(P, H, bs, 2 * D).contiguous()
 
 
+needs_avx512 = pytest.mark.skipif(
+    not torch.backends.cpu.get_cpu_capability().startswith("AVX512"), reason="the vec pages kernel needs AVX-512"
+)
+
+
+@needs_avx512
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 1), (4, 4), (10, 2)])
 @pytest.mark.parametrize("head_dim,block", [(64, 128), (64, 32), (128, 64), (64, 16)])
@@ -182,6 +188,7 @@ def test_the_vec_pages_kernel_matches_the_reference(dtype, num_heads, num_kv_hea
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
+@needs_avx512
 def test_a_page_list_outside_the_cache_is_an_error_not_a_crash():
     cache = torch.zeros(4, 3, 32, 128, dtype=torch.bfloat16)
     q = random_queries(1, 9, torch.bfloat16, head_dim=64)
