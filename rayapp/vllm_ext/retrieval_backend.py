@@ -10,12 +10,12 @@ layer by scoring the step's query against block representations (`rayapp.kernels
 Selection and attention run on rayapp's C++ kernels (`rayapp.kernels.native`) where they can: one pass
 scores every middle block of a row from the representation store and keeps its top k per KV head, and
 the attention reads vLLM's pages in place, in vLLM's `vec` packing, each KV head its own page list.
-Elsewhere (vLLM's `amx` packing, a quantized cache, no AVX-512, another scorer) selection runs in torch
-and the attention is vLLM's CPU kernel: each (sequence, KV head) is passed as a sequence of its own with
-one KV head, over a block table of only the pages that head chose. The pages of one head sit at a fixed
-stride in vLLM's cache (`[num_blocks, H, block_size, 2 * D]`), so the cache viewed as
-`[num_blocks * H, 1, block_size, 2 * D]` is the same memory, and page `p` of head `h` is page `p * H + h`
-there.
+Selection runs in torch only for the `mean` and `minmax` scorers, or where the kernels are not built.
+With vLLM's `amx` packing, a quantized cache or no AVX-512, the attention is vLLM's CPU kernel: each
+(sequence, KV head) is passed as a sequence of its own with one KV head, over a block table of only the
+pages that head chose. The pages of one head sit at a fixed stride in vLLM's cache
+(`[num_blocks, H, block_size, 2 * D]`), so the cache viewed as `[num_blocks * H, 1, block_size, 2 * D]`
+is the same memory, and page `p` of head `h` is page `p * H + h` there.
 
 Representations are kept per layer beside vLLM's cache, keyed by the physical page that ends the
 block, and recomputed when a page of the block was written after them (`PageEpochs`): vLLM's prefix
