@@ -1,8 +1,10 @@
-"""vLLM replicas on CPU nodes: which cores each replica's compute threads take.
+"""vLLM replicas on CPU nodes: which process computes, and on which cores.
 
-vLLM's worker and its engine core's scheduler loop spin on the CPU between steps; vLLM keeps the last
-`VLLM_CPU_NUM_OF_RESERVED_CPU` cores of a node for them and the frontends. Replicas sharing a node compute on
-cores apart while there are free ones, share them beyond that, and never take the reserved ones.
+An engine of one worker runs it inside its engine core process (`one_process_engine`), so nothing spins between
+steps. With vLLM's worker in a process of its own (several workers, or the user's choice), the worker and the
+engine core's scheduler loop spin on the CPU between steps; vLLM keeps the last `VLLM_CPU_NUM_OF_RESERVED_CPU`
+cores of a node for them and the frontends. Replicas sharing a node then compute on cores apart while there are
+free ones, share them beyond that, and never take the reserved ones.
 """
 
 from __future__ import annotations
@@ -13,6 +15,26 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+
+def one_process_engine(kwargs: dict[str, Any]) -> bool:
+    """On CPU, run an engine of one worker in vLLM's engine core process (vLLM's `uni` executor) rather than in a
+    worker process of its own; True when the engine will.
+
+    vLLM on CPU moves even one worker into a process of its own, and the two hand every step over through
+    shared memory, each spinning on it (`sched_yield`) for a second after each message: the engine core spins
+    through the whole forward. Two replicas on 2 cores (`bench/serve_multiturn.py --workloads 2x`) burned 35.9
+    CPU seconds in their engine cores beside 52.4 in the workers, whose compute threads vLLM's binding had put
+    on one core. In one process the engine core steps the model itself and blocks on its input queue when idle;
+    its compute threads (Ray's `OMP_NUM_THREADS`, the replica's `num_cpus`) are left to the OS to place, as
+    rayapp's own engine's are. Leaves vLLM its worker process when the engine has several workers (tensor or
+    pipeline parallel), the user chose an executor, bound the threads (`VLLM_CPU_OMP_THREADS_BIND`, which only
+    the worker process applies) or set `VLLM_ENABLE_V1_MULTIPROCESSING`.
+    """
+    chosen = kwargs.get("distributed_executor_backend") not in (None, "uni")
+    if _num_workers(kwargs) > 1 or chosen or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return False
+    return os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0") == "0"
 
 
 def bind_cpu_slot(num_cpus: float, kwargs: dict[str, Any]) -> Any:

@@ -46,7 +46,7 @@ from rayapp.models.loader import DEFAULT_MODEL, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 from rayapp.observability import Metric, counters
 from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM, kv_transfer_config
-from rayapp.vllm_ext.cpu_binding import bind_cpu_slot, keep_frontend_core
+from rayapp.vllm_ext.cpu_binding import bind_cpu_slot, keep_frontend_core, one_process_engine
 from rayapp.vllm_ext.kv_events import VLLMKVEvents
 from rayapp.vllm_ext.retrieval import RetrievalStats, register, settings_env
 from rayapp.vllm_ext.worker_extension import REPLICA_EXTENSION
@@ -231,7 +231,7 @@ class VLLMBackend:
         args = AsyncEngineArgs(model=str(model_dir), kv_events_config=kv_events, **kwargs)
         stats = _EngineStats()
         cpu_slot = None
-        if config.device.split(":")[0] == "cpu":
+        if config.device.split(":")[0] == "cpu" and not one_process_engine(kwargs):
             keep_frontend_core(kwargs)  # first: the binding keeps clear of the cores it reserves
             cpu_slot = bind_cpu_slot(config.num_cpus, kwargs)
         engine = AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_StatLogger, stats=stats)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 
 import pytest
 from ray.exceptions import RayActorError
@@ -78,7 +79,11 @@ def engine(request):
     """(backend, config, loop): every test runs on `loop`, since vLLM's AsyncLLM stays on the loop it first ran on."""
     config = CONFIGS[request.param]
     loop = asyncio.new_event_loop()
+    environment = dict(os.environ)
     backend = backend_class(config).from_app_config(config)
+    # What the backend set for its replica's process (vLLM's on CPU: one engine process) stays out of later tests.
+    os.environ.clear()
+    os.environ.update(environment)
     yield backend, config, loop
 
     async def shutdown() -> None:  # on its loop: vLLM's AsyncLLM closes its sockets at once there

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from rayapp import LLM, SamplingParams
@@ -536,8 +537,6 @@ def _engine_processes(engine: str) -> list:
     reference's engine is this test process' own, or its child)."""
     import os
 
-    import psutil
-
     def named(p) -> bool:
         if engine == "vllm":
             # vLLM titles its engine core `VLLM::EngineCore`. Where the title did not reach the command line (a CI
@@ -551,13 +550,26 @@ def _engine_processes(engine: str) -> list:
     return [p for p in psutil.process_iter(["name", "cmdline", "ppid"]) if named(p) and p.info["ppid"] != os.getpid()]
 
 
-def test_a_dead_engine_process_fails_the_health_check_and_the_replica_is_replaced(base_url, client, config):
+def _the_engine_process(engine: str) -> psutil.Process:
     # A CI run once found no engine process here, though the replica's was alive: look again for a while.
     deadline = time.monotonic() + 60
-    while len(cores := _engine_processes(config.engine)) != 1 and time.monotonic() < deadline:
+    while len(cores := _engine_processes(engine)) != 1 and time.monotonic() < deadline:
         time.sleep(2)
     assert len(cores) == 1, cores
-    cores[0].kill()
+    return cores[0]
+
+
+def test_a_vllm_replica_on_cpu_steps_its_model_in_its_engine_core(base_url, config):
+    """No worker process of vLLM's beside the engine core, spinning between steps (cpu_binding.one_process_engine)."""
+    if config.engine != "vllm":
+        pytest.skip("vLLM replicas only")
+    children = _the_engine_process(config.engine).children(recursive=True)
+    assert [p.name() for p in children if "Worker" in p.name() or "Worker" in " ".join(p.cmdline())] == []
+
+
+def test_a_dead_engine_process_fails_the_health_check_and_the_replica_is_replaced(base_url, client, config):
+    core = _the_engine_process(config.engine)
+    core.kill()
     # Until Serve replaces the replica, requests fail fast (5xx), never hang; then they are answered again.
     deadline = time.monotonic() + 300
     while True:
@@ -567,4 +579,4 @@ def test_a_dead_engine_process_fails_the_health_check_and_the_replica_is_replace
         assert response.status_code >= 500, response.text
         assert time.monotonic() < deadline, "the replica with a dead engine process was never replaced"
         time.sleep(2)
-    assert [p.pid for p in _engine_processes(config.engine)] != [cores[0].pid]
+    assert [p.pid for p in _engine_processes(config.engine)] != [core.pid]

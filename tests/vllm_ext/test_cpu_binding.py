@@ -1,5 +1,6 @@
-"""vLLM replicas sharing a CPU node compute on cores of their own, not all on vLLM's first core, share cores
-rather than take the ones vLLM keeps for its scheduler loops, and leave those free with the cluster tier on."""
+"""vLLM replicas on CPU step an engine of one worker in its engine core process; with a worker process, replicas
+sharing a node compute on cores of their own, not all on vLLM's first core, share cores rather than take the ones
+vLLM keeps for its scheduler loops, and leave those free with the cluster tier on."""
 
 from __future__ import annotations
 
@@ -13,10 +14,44 @@ pytest.importorskip("vllm")
 
 from vllm.utils.ompmultiprocessing import OMPProcessManager  # noqa: E402
 
-from rayapp.vllm_ext.cpu_binding import bind_cpu_slot, keep_frontend_core  # noqa: E402
+from rayapp.vllm_ext.cpu_binding import bind_cpu_slot, keep_frontend_core, one_process_engine  # noqa: E402
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+PROCESSES = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@pytest.fixture
+def unset(monkeypatch):
+    """Neither the worker process nor a binding chosen by the user; what the test sets is undone after it (set
+    first, so that monkeypatch restores the variables' absence)."""
+    for name in (PROCESSES, BIND):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
+def test_an_engine_of_one_worker_steps_in_its_engine_core_process(unset):
+    assert one_process_engine({}) and one_process_engine({"distributed_executor_backend": "uni"})
+    assert os.environ[PROCESSES] == "0"  # what vLLM's CPU platform reads to keep its `uni` executor
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"distributed_executor_backend": "mp"}],
+)
+def test_several_workers_or_a_chosen_executor_keep_vllms_worker_processes(unset, engine_kwargs):
+    assert not one_process_engine(engine_kwargs)
+    assert PROCESSES not in os.environ
+
+
+def test_a_users_worker_process_or_binding_wins(unset, monkeypatch):
+    monkeypatch.setenv(PROCESSES, "1")
+    assert not one_process_engine({})
+    assert os.environ[PROCESSES] == "1"
+    monkeypatch.delenv(PROCESSES)
+    monkeypatch.setenv(BIND, "0")  # only vLLM's worker process applies it
+    assert not one_process_engine({})
+    assert PROCESSES not in os.environ
 
 
 @pytest.fixture

@@ -38,8 +38,8 @@ SCALED = {"init_tokens": 64, "local_tokens": 512, "retrieval_block_size": 64, "d
 ENGINE = {"dtype": "bfloat16", "block_size": 64, "kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 DEPTHS = [0.1, 0.3, 0.5, 0.7, 0.9, 0.2, 0.4, 0.6]
-# What a vLLM replica backend with `sparse:` sets in its process.
-PLUGIN_ENV = ("VLLM_PLUGINS", SETTINGS_ENV)
+# What a vLLM replica backend with `sparse:` sets in its process (on CPU, its engine's one process too).
+PLUGIN_ENV = ("VLLM_PLUGINS", SETTINGS_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING")
 SHORT = [
     "Name three rivers of Europe.",
     "Write a haiku about a lighthouse.",
