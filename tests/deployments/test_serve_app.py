@@ -537,11 +537,20 @@ def _engine_processes(engine: str) -> list:
     reference's engine is this test process' own, or its child)."""
     import os
 
+    def replica_child(p) -> bool:
+        try:
+            return "LLMReplica" in " ".join(psutil.Process(p.info["ppid"]).cmdline())
+        except psutil.Error:
+            return False
+
     def named(p) -> bool:
         if engine == "vllm":
-            # vLLM titles its engine core `VLLM::EngineCore`. Where the title did not reach the command line (a CI
-            # run found none here for a minute, its engine core alive), /proc's 15-character name has `VLLM::EngineCor`.
-            return "EngineCore" in " ".join(p.info["cmdline"] or []) or "EngineCor" in (p.info["name"] or "")
+            # vLLM titles its engine core `VLLM::EngineCore`; /proc's 15-character name has `VLLM::EngineCor`. A CI run
+            # found neither for a minute, its engine core alive, and a bench run one named `python3`: it is also the
+            # replica's child that is not multiprocessing's resource tracker.
+            cmdline = " ".join(p.info["cmdline"] or [])
+            titled = "EngineCore" in cmdline or "EngineCor" in (p.info["name"] or "")
+            return titled or (replica_child(p) and "resource_tracker" not in cmdline)
         return p.info["name"] == PROCESS_NAME
 
     # psutil caches a Process per PID across calls and skips (once) one whose PID was reused since: after the PIDs
