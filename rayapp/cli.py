@@ -1,4 +1,4 @@
-"""`rayapp chat`, `rayapp generate --prompt ...`, `rayapp prepare-model`."""
+"""`rayapp chat`, `rayapp generate --prompt ...`, `rayapp prepare-model`, `rayapp cpu-info`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import uuid
 
 from rayapp.engine.async_engine import AsyncLLMEngine
 from rayapp.engine.sampling_params import SamplingParams
+from rayapp.kernels.cpu import detect, plan_for
 from rayapp.models.loader import prepare_default_model
 from rayapp.models.tokenizer import chat_token_ids
 
@@ -63,11 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     sub.add_parser("prepare-model", help="dequantize the shipped SmolLM2 GGUF into the local cache")
+    info = sub.add_parser("cpu-info", help="this CPU's features and the dtype and kernels rayapp's engine picks")
+    info.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     args = parser.parse_args(argv)
 
     if args.command == "prepare-model":
         print(prepare_default_model())
         return 0
+    if args.command == "cpu-info":
+        return _cpu_info(args.dtype)
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
@@ -89,6 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         engine.shutdown()
+    return 0
+
+
+def _cpu_info(dtype: str) -> int:
+    cpu = detect()
+    print(f"CPU: {cpu.describe()}")
+    try:
+        plan = plan_for(dtype, cpu)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"dtype: {plan.dtype_name}, {'oneDNN-packed' if plan.prepack else 'torch'} linears ({plan.reason})")
     return 0
 
 

@@ -10,6 +10,7 @@ from rayapp.config.app import (
     SparseSettings,
 )
 from rayapp.config.engine import (
+    DTYPE_OPTIONS,
     DTYPES,
     REPRESENTATIONS,
     SPARSE_ENV,
@@ -23,6 +24,7 @@ from rayapp.config.engine import (
 )
 
 __all__ = [
+    "DTYPE_OPTIONS",
     "DTYPES",
     "REPRESENTATIONS",
     "SPARSE_ENV",

@@ -211,7 +211,11 @@ class AppConfig(BaseModel):
         description="A Jinja chat template file the ingress renders conversations with instead of the model's own "
         "(as vLLM's --chat-template); tools need one that renders them, in the Hermes <tool_call> format",
     )
-    dtype: str = Field("auto", description="auto (the checkpoint's), float32, bfloat16 or float16")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="auto: on CPU bfloat16 where oneDNN runs bf16 (AVX-512 or AVX-NE-CONVERT), else float32; on an "
+        "accelerator the checkpoint's. float32, bfloat16 or float16 (on CPU it runs as auto chooses)",
+    )
     device: str = Field("cpu", description="cpu, cuda or npu: each replica takes one such device")
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output in tokens; null: the model's")
     block_size: int = Field(

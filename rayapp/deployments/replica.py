@@ -37,7 +37,13 @@ class LLMReplica:
         context = serve.get_replica_context()
         self.app_name, self.replica = context.app_name, context.replica_id.unique_id
         backend_cls = backend_cls or backend_class(self.config)
-        self.engine = backend_cls.from_app_config(self.config)
+        try:
+            self.engine = backend_cls.from_app_config(self.config)
+        except Exception as error:
+            # One line a reader of `serve run` finds; Serve retries a few times, then marks the deployment failed
+            # with this error (which the ingress' /health reports).
+            logger.error("LLMReplica cannot start its engine: %s", error)
+            raise
         self.metrics = ReplicaMetrics(self.replica)
         self._hub = HubClient(self.app_name)
         self._index = prefix_index(self.app_name, self.config.router)

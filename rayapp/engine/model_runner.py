@@ -27,6 +27,7 @@ from rayapp.engine.scheduler import ScheduledBatch
 from rayapp.engine.sequence import Sequence
 from rayapp.engine.structured import constrain
 from rayapp.kernels import native
+from rayapp.kernels.cpu import cpu_plan
 from rayapp.models.llama import load_model
 from rayapp.models.loader import ModelSpec, load_state_dict
 from rayapp.sparse.policy import RetrievalPolicy
@@ -48,8 +49,13 @@ class ModelRunner:
         self.device = torch.device(config.model.device)
         if self.device.type == "npu":
             import torch_npu  # noqa: F401  (registers the npu device with torch)
-        self.dtype = spec.dtype if config.model.dtype == "auto" else DTYPES[config.model.dtype]
-        self.model = load_model(spec, load_state_dict(model_path, self.dtype, str(self.device)))
+        prepack = False
+        if self.device.type == "cpu":
+            plan = cpu_plan(config.model.dtype)
+            self.dtype, prepack = plan.dtype, plan.prepack
+        else:
+            self.dtype = spec.dtype if config.model.dtype == "auto" else DTYPES[config.model.dtype]
+        self.model = load_model(spec, load_state_dict(model_path, self.dtype, str(self.device)), prepack)
         self.block_size = config.cache.block_size
         self.num_pages = config.cache.num_pages or self._pages_that_fit()
         # The device block cache of offloaded sequences: pages after the BlockManager's pool, only

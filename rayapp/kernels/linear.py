@@ -4,7 +4,8 @@ Decode on a CPU reads every weight once per step, so the GEMM's memory access de
 speed. oneDNN's blocked weight layout, packed once at load, ran the model's projections 1.5-2x
 faster than `F.linear` on the 2-core test machine (bf16 and float32, 1 to 16 rows), with
 float32 results equal to `F.linear` up to summation order (bf16: identical in our tests).
-Other devices keep `F.linear`, which is already the vendor GEMM there.
+Other devices keep `F.linear`, which is already the vendor GEMM there. Whether this CPU packs a
+dtype at all is `rayapp.kernels.cpu`'s answer (oneDNN's bf16 path needs AVX-512 or AVX-NE-CONVERT).
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-_PACKABLE = (torch.float32, torch.bfloat16)
+from rayapp.kernels.cpu import detect
 
 
 def can_prepack(weight: Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in _PACKABLE and torch.backends.mkldnn.is_available()
+    """Whether this CPU's oneDNN packs and multiplies `weight`'s dtype."""
+    if weight.device.type != "cpu":
+        return False
+    cpu = detect()
+    return (weight.dtype == torch.float32 and cpu.onednn) or (weight.dtype == torch.bfloat16 and cpu.bf16_matmul)
 
 
 class PackedLinear(nn.Module):
@@ -26,7 +31,7 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         if not can_prepack(linear.weight):
-            raise ValueError(f"cannot prepack a {linear.weight.dtype} weight on {linear.weight.device}")
+            raise ValueError(f"this CPU cannot prepack a {linear.weight.dtype} weight on {linear.weight.device}")
         self.out_features = linear.out_features
         # The batch-size hint only picks a blocking; measured the same for 1 to 512 rows.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)

@@ -149,10 +149,12 @@ class LlamaForCausalLM(nn.Module):
         self.cos_table, self.sin_table = emb.cos(), emb.sin()
 
 
-def load_model(spec: ModelSpec, state: dict[str, Tensor]) -> LlamaForCausalLM:
-    """Build the model without initializing weights and take `state`'s tensors."""
+def load_model(spec: ModelSpec, state: dict[str, Tensor], prepack: bool = True) -> LlamaForCausalLM:
+    """Build the model without initializing weights and take `state`'s tensors; with `prepack`, the
+    projections this CPU can pack move to oneDNN's layout (`rayapp.kernels.cpu` decides which)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(spec)
     model.load_hf_state_dict(state)
-    prepack_linears(model)
+    if prepack:
+        prepack_linears(model)
     return model.eval()

@@ -31,7 +31,7 @@ from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from rayapp.blocks import KVEvent
-from rayapp.config import AppConfig
+from rayapp.config import DTYPE_OPTIONS, AppConfig
 from rayapp.config.app import VLLM_SHARED_KWARGS
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
 from rayapp.engine.detokenizer import IncrementalDetokenizer
@@ -40,6 +40,7 @@ from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampling_params import SamplingParams, StructuredOutput
 from rayapp.engine.structured import ANY_OBJECT
 from rayapp.engine.tier_connector import METRICS as TIER_METRICS
+from rayapp.kernels.cpu import cpu_plan
 from rayapp.kvtier import log_unavailable
 from rayapp.kvtier.client import METRICS as CLIENT_METRICS
 from rayapp.models.loader import DEFAULT_MODEL, resolve_model
@@ -74,6 +75,10 @@ def engine_kwargs(config: AppConfig) -> dict[str, Any]:
         if field in config.model_fields_set:
             kwargs[key] = getattr(config, field)
     on_cpu = config.device.split(":")[0] == "cpu"
+    if on_cpu and kwargs.get("dtype", config.dtype) in DTYPE_OPTIONS:
+        # The dtype rayapp's engine would run on this CPU: vLLM's `auto` takes bf16 even where oneDNN has no bf16
+        # path (AVX2-only CPUs), which runs several times slower than float32 there.
+        kwargs["dtype"] = cpu_plan(kwargs.get("dtype", config.dtype)).dtype_name
     sized = {"kv_cache_memory_bytes", "num_gpu_blocks_override"} & kwargs.keys()
     if not sized and (on_cpu or "kv_cache_memory_gb" in config.model_fields_set):
         # On CPU vLLM would otherwise size the cache from the free memory of the whole host.

@@ -32,11 +32,14 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _serve_app(config: AppConfig, apps: dict[str, str] | None = None) -> Iterator[str]:
+def _serve_app(
+    config: AppConfig, apps: dict[str, str] | None = None, env: dict[str, str] | None = None
+) -> Iterator[str]:
     """Start a local Ray and Serve, deploy `build(config)` under each application name of `apps` at its route
-    prefix (by default "rayapp" at "/"); yield the base URL."""
+    prefix (by default "rayapp" at "/"); yield the base URL. `env`: environment variables of every Ray worker."""
     port = _free_port()
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    runtime_env = {"env_vars": env} if env else None
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=runtime_env)
     try:  # Ray goes down whatever fails, or every later module's ray.init fails too
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for name, route_prefix in (apps or {"rayapp": "/"}).items():

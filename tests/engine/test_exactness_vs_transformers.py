@@ -4,19 +4,29 @@ The reference is `transformers` generating from the same weights, one prompt at 
 runs the same prompts one at a time, all in one batch, with prefix caching on (including a
 second pass that hits the cache) and off, and with a page pool so small that sequences are
 preempted and recomputed. A divergence is accepted only at a genuine near-tie: transformers'
-own top-2 logits within 1e-4 at that position.
+own top-2 logits within 1e-4 at that position. The projections run packed for oneDNN where this CPU
+packs them, and as torch's `F.linear` otherwise (`rayapp.kernels.cpu`): both paths are held to this.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from rayapp import LLM, SamplingParams
+from rayapp.engine import model_runner
+from rayapp.kernels.cpu import detect
+from rayapp.kernels.linear import PackedLinear
 from rayapp.models.tokenizer import chat_token_ids
 
 NEW_TOKENS = 64
 NEAR_TIE = 1e-4
+# bf16 against transformers' float32: top-5 logprobs of the first token within this many nats (0.31 measured on
+# SmolLM2 over these prompts), and the first token the same unless transformers' top two are this close.
+BF16_LOGPROB = 0.5
+BF16_NEAR_TIE = 0.25
 FILLER = (
     "The river ran past the old mill, where the miller kept ledgers of every sack of grain. "
     "In spring the water rose; in autumn it fell, and the wheel turned slower. "
@@ -99,9 +109,28 @@ def _assert_matches(outputs, reference, label: str) -> None:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
 
+def _packed(llm: LLM) -> bool:
+    return any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())
+
+
+def _use_linears(monkeypatch, prepack: bool) -> None:
+    """Make the engine's projections packed for oneDNN, or torch's `F.linear` (as where oneDNN packs nothing)."""
+    plan = model_runner.cpu_plan
+    monkeypatch.setattr(model_runner, "cpu_plan", lambda dtype: dataclasses.replace(plan(dtype), prepack=prepack))
+
+
+@pytest.fixture(params=[True, False], ids=["packed", "torch-linears"])
+def prepack(request, monkeypatch) -> bool:
+    if request.param and not detect().onednn:
+        pytest.skip("this torch has no oneDNN to pack for")
+    _use_linears(monkeypatch, request.param)
+    return request.param
+
+
 @pytest.mark.slow
 def test_greedy_matches_transformers_one_at_a_time_then_batched_from_cache(prompts, reference):
     llm = LLM(dtype="float32")
+    assert _packed(llm) == detect().onednn
     singles = [llm.generate(prompt_token_ids=p, sampling_params=GREEDY)[0] for p in prompts]
     _assert_matches(singles, reference, "one at a time")
     before = llm.stats()["cached_prompt_tokens"]
@@ -109,6 +138,31 @@ def test_greedy_matches_transformers_one_at_a_time_then_batched_from_cache(promp
     _assert_matches(batched, reference, "batched, prefix cache warm")
     # Every prompt was seen before, so all but each prompt's last (partial) block comes from the cache.
     assert llm.stats()["cached_prompt_tokens"] - before >= sum(len(p) - 16 for p in prompts)
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_with_torch_linears(prompts, reference, monkeypatch):
+    _use_linears(monkeypatch, prepack=False)
+    llm = LLM(dtype="float32")
+    assert not _packed(llm)
+    _assert_matches(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY), reference, "torch linears")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not detect().bf16_matmul, reason="oneDNN has no bf16 path on this CPU: bf16 is refused here")
+def test_bf16_first_tokens_are_within_bf16_tolerance_of_transformers(prompts, reference, prepack):
+    llm = LLM(dtype="bfloat16")
+    assert _packed(llm) == prepack
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    for n, (out, (_, ref_logits)) in enumerate(
+        zip(llm.generate(prompt_token_ids=prompts, sampling_params=params), reference)
+    ):
+        ref_logp = ref_logits[0].log_softmax(dim=-1)
+        (lp,) = out.outputs[0].logprobs
+        assert max(abs(v - float(ref_logp[t])) for t, v in lp.top) < BF16_LOGPROB, f"prompt {n}"
+        top2 = ref_logp.topk(2)
+        if lp.token_id != int(top2.indices[0]):
+            assert float(top2.values[0] - top2.values[1]) < BF16_NEAR_TIE, f"prompt {n}: not a bf16 near-tie"
 
 
 @pytest.mark.slow

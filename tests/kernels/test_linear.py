@@ -6,10 +6,17 @@ import pytest
 import torch
 from torch import nn
 
-from rayapp.kernels.linear import PackedLinear, prepack_linears, ref_linear
+from rayapp.kernels import linear
+from rayapp.kernels.cpu import CPUFeatures, detect
+from rayapp.kernels.linear import PackedLinear, can_prepack, prepack_linears, ref_linear
+
+BF16 = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(not detect().bf16_matmul, reason="oneDNN has no bf16 path on this CPU"),
+)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 16, 300])
 def test_packed_linear_matches_reference(dtype, bias, rows):
@@ -37,3 +44,12 @@ def test_half_precision_weights_are_left_alone():
     model = nn.Sequential(nn.Linear(16, 16).half())
     prepack_linears(model)
     assert isinstance(model[0], nn.Linear)
+
+
+def test_bf16_weights_stay_torch_linears_on_a_cpu_without_onednns_bf16_path(monkeypatch):
+    avx2 = CPUFeatures("AMD EPYC 7763", "AVX2", frozenset({"avx", "avx2", "fma"}))
+    monkeypatch.setattr(linear, "detect", lambda: avx2)
+    model = nn.Sequential(nn.Linear(16, 16).bfloat16(), nn.Linear(16, 16))
+    assert not can_prepack(model[0].weight) and can_prepack(model[1].weight)
+    prepack_linears(model)
+    assert isinstance(model[0], nn.Linear) and isinstance(model[1], PackedLinear)

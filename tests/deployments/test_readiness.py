@@ -1,0 +1,42 @@
+"""`/health`'s 503 body: what each deployment that is not healthy waits for, from Serve's own status."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from rayapp.deployments.readiness import describe_deployments
+
+FAILED = (
+    "The deployment failed to start 3 times in a row. This may be due to a problem with its constructor or initial "
+    "health check failing. See controller logs for details. Error:\n"
+    "Traceback (most recent call last):\n"
+    '  File "rayapp/deployments/replica.py", line 41, in __init__\n'
+    "    self.engine = backend_cls.from_app_config(self.config)\n"
+    "RuntimeError: rayapp's engine did not start: ValueError: dtype: bfloat16 needs a CPU where oneDNN runs bf16\n"
+)
+PENDING = (
+    "Deployment 'LLMReplica' in application 'rayapp' has 1 replicas that have taken more than 30s to be scheduled. "
+    'Resources required for each replica: {"CPU": 1}, total resources available: {}.'
+)
+
+
+def test_a_failed_start_reports_serves_summary_and_the_error_it_ended_with():
+    deployments = {
+        "OpenAIIngress": SimpleNamespace(status="HEALTHY", message=""),
+        "LLMReplica": SimpleNamespace(status="DEPLOY_FAILED", message=FAILED),
+    }
+    (entry,) = describe_deployments(deployments)
+    assert entry["deployment"] == "LLMReplica" and entry["status"] == "DEPLOY_FAILED"
+    assert entry["message"].startswith("The deployment failed to start 3 times in a row.")
+    assert entry["error"] == (
+        "RuntimeError: rayapp's engine did not start: ValueError: dtype: bfloat16 needs a CPU where oneDNN runs bf16"
+    )
+
+
+def test_a_replica_waiting_for_resources_says_which_and_carries_no_error():
+    (entry,) = describe_deployments({"LLMReplica": SimpleNamespace(status="UPDATING", message=PENDING)})
+    assert entry == {"deployment": "LLMReplica", "status": "UPDATING", "message": PENDING}
+
+
+def test_healthy_deployments_wait_for_nothing():
+    assert describe_deployments({"LLMReplica": SimpleNamespace(status="HEALTHY", message="")}) == []
