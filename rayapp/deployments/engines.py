@@ -16,6 +16,8 @@ from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta
 from rayapp.engine.engine_process import EngineProcess
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.kvtier import join_ray, log_unavailable
+from rayapp.models.loader import ModelSpec, pin_revision, resolve_model
+from rayapp.models.tokenizer import load_tokenizer
 from rayapp.observability import Metric
 
 
@@ -32,6 +34,21 @@ def backend_class(config: AppConfig) -> type:
         ) from None
     check_config(config)
     return VLLMBackend
+
+
+def pin_model(config: AppConfig) -> AppConfig:
+    """`config` with a repo id's revision pinned to the commit it names now, so every replica loads the same
+    files; before that, a model that cannot serve fails the deploy with one line: one that cannot be found, one
+    without a chat template (and no `chat_template` setting), an architecture `engine: rayapp` does not run."""
+    revision = pin_revision(config.model, config.revision)
+    path = resolve_model(config.model, revision, weights=False)
+    if config.engine == "rayapp":
+        ModelSpec.from_dir(path)
+    if load_tokenizer(path, config.chat_template).chat_template is None:
+        raise ValueError(
+            f"model {config.model!r} has no chat template; set chat_template to a Jinja template file for it"
+        )
+    return config if revision == config.revision else config.model_copy(update={"revision": revision})
 
 
 class RayappBackend:

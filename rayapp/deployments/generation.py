@@ -128,10 +128,13 @@ class Generation:
                 self._open(self._continuation(i), (i,))
 
     def _continuation(self, i: int) -> EngineRequest:
-        """The rest of answer `i`: the prompt plus what it generated, asking for what is left."""
+        """The rest of answer `i`: the prompt plus what it generated, asking for what is left (its output is
+        prompt there: the frequency and presence penalties no longer count it)."""
         answer, sampling = self.answers[i], dataclasses.replace(self.request.sampling, n=1)
+        done = len(answer.generated)
+        sampling = dataclasses.replace(sampling, min_tokens=max(0, sampling.min_tokens - done))
         if sampling.max_tokens is not None:
-            sampling = dataclasses.replace(sampling, max_tokens=max(1, sampling.max_tokens - len(answer.generated)))
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, sampling.max_tokens - done))
         ids = self.request.prompt_token_ids + answer.generated
         request = self.ingress.generate_request(ids, self.request.cache_salt, sampling, self.request.prompt)
         return dataclasses.replace(

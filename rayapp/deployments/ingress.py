@@ -35,6 +35,7 @@ from rayapp.deployments.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     check_sizes,
+    check_token_fields,
     decode_json,
     parse,
     read_body,
@@ -45,7 +46,7 @@ from rayapp.deployments.tools import ToolAnswer, template_problem
 from rayapp.engine.backend import EngineRequest, GenerateDelta
 from rayapp.engine.request import LimitError, RequestLimits
 from rayapp.engine.sampling_params import SamplingParams
-from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
+from rayapp.models.loader import ModelInfo, model_id, resolve_model, served_name
 from rayapp.models.tokenizer import chat_token_ids, load_tokenizer
 from rayapp.observability.hub import HubClient
 from rayapp.prefix_router.actor import prefix_index
@@ -124,8 +125,9 @@ class OpenAIIngress:
 
     def __init__(self, replica: DeploymentHandle, app_config: dict[str, Any]) -> None:
         self.config = AppConfig(**app_config)
-        path = resolve_model(self.config.model)
-        spec = ModelSpec.from_dir(path)
+        # The tokenizer and config only: the replicas load the weights (the builder pinned a repo id's revision).
+        path = resolve_model(self.config.model, self.config.revision, weights=False)
+        info = ModelInfo.from_dir(path)
         self.tokenizer = load_tokenizer(path, self.config.chat_template)
         # Large requests are prepared on one thread with a tokenizer of its own: a fast tokenizer must not be
         # used by two threads at once.
@@ -134,13 +136,11 @@ class OpenAIIngress:
         self.api_keys = _api_keys(self.config)
         self.logprobs = LogprobsFormat(self.tokenizer)
         # The engine's model id: block hashes computed here must equal the replicas' own.
-        self.model_id = self.config.model or DEFAULT_MODEL
-        self.served_name = self.config.served_model_name or (
-            DEFAULT_MODEL if self.config.model is None else Path(self.config.model).name
-        )
-        self.max_model_len = self.config.context_length(spec.max_position_embeddings)
+        self.model_id = model_id(self.config.model, self.config.revision)
+        self.served_name = self.config.served_model_name or served_name(self.config.model)
+        self.max_model_len = self.config.context_length(info.context_length)
         self.block_size = self.config.kv_block_size()
-        self.limits = RequestLimits(self.max_model_len, spec.vocab_size, None, self.block_size)
+        self.limits = RequestLimits(self.max_model_len, info.vocab_size, None, self.block_size)
         self.replica = replica
         self.inflight = 0
         # Requests moved to another replica because theirs died.
@@ -246,6 +246,7 @@ class OpenAIIngress:
             chat = isinstance(body, ChatCompletionRequest)
             param = "messages" if chat and error.param == "prompt" else error.param
             raise APIError(400, str(error), param=param, code=error.code) from None
+        check_token_fields(body, self.limits)
 
     def _authenticate(self, request: Request) -> str:
         """Check the API key when keys are configured; return the tenant (the key, or else `user`)."""

@@ -4,6 +4,7 @@ server's limits, decoded, validated."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, ClassVar, Literal
 
 from fastapi import Request
@@ -11,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from rayapp.config import LimitSettings
 from rayapp.deployments.tools import forced_output
+from rayapp.engine.request import LimitError, RequestLimits
 from rayapp.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 
@@ -38,17 +40,11 @@ class APIError(Exception):
 # the values that leave the answer as it is. A request asking for anything else gets a 400 naming the field,
 # never an answer that silently is not what it asked for.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, None),
-    "frequency_penalty": (0, None),
-    "logit_bias": (None, {}),
     "functions": (None, []),
     "function_call": (None, "none"),
     "prediction": (None,),
     "modalities": (None, ["text"]),
     "audio": (None,),
-    "min_p": (0, None),
-    "repetition_penalty": (1, None),
-    "min_tokens": (0, None),
     "use_beam_search": (False, None),
     "structured_outputs": (None,),
     "guided_json": (None,),
@@ -77,6 +73,32 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1)
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
+    # vLLM's sampling fields, with its ranges (None, as some clients send for a field left unset: the default).
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    # Token ids to biases; OpenAI sends the ids as strings (JSON keys are), read into ints here.
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int | None = Field(None, ge=0)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_ids(cls, bias: Any) -> Any:
+        if not isinstance(bias, dict):
+            return bias  # pydantic names the type it wants
+        try:
+            return {int(token): value for token, value in bias.items()}
+        except (TypeError, ValueError):
+            raise ValueError("logit_bias keys must be token ids (integers, as strings)") from None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _clamped(cls, bias: dict[int, float] | None) -> dict[int, float] | None:
+        if bias is not None and any(math.isnan(b) for b in bias.values()):
+            raise ValueError("logit_bias values must be numbers")
+        # As vLLM's server (and OpenAI's API) does.
+        return None if bias is None else {t: min(100.0, max(-100.0, b)) for t, b in bias.items()}
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         """This request's SamplingParams; ValueError names a bad field."""
@@ -91,6 +113,12 @@ class _Sampling(BaseModel):
             logprobs=self.requested_logprobs,
             structured=self.structured_output(),
             n=self.n,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            logit_bias=self.logit_bias or (),
+            min_tokens=self.min_tokens or 0,
         )
 
     def structured_output(self) -> StructuredOutput | None:
@@ -382,3 +410,19 @@ def check_sizes(body: ChatCompletionRequest | CompletionRequest, limits: LimitSe
             400, f"a stop string is longer than this server's limit of {limits.max_stop_chars} characters",
             param="stop",
         )  # fmt: skip
+
+
+def check_token_fields(body: ChatCompletionRequest | CompletionRequest, limits: RequestLimits) -> None:
+    """min_tokens within the answer's max tokens, and logit_bias ids inside the vocabulary (`limits`, the engine's
+    own check): a 400 naming the field."""
+    max_tokens = body.requested_max_tokens
+    if body.min_tokens and max_tokens is not None and body.min_tokens > max_tokens:
+        name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        raise APIError(
+            400, f"min_tokens={body.min_tokens} is more than {name}={max_tokens}; lower min_tokens or raise {name}",
+            param="min_tokens",
+        )  # fmt: skip
+    try:
+        limits.check_logit_bias((body.logit_bias or {}).items())
+    except LimitError as error:
+        raise APIError(400, str(error), param=error.param) from None

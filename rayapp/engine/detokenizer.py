@@ -43,6 +43,8 @@ class IncrementalDetokenizer:
     completes one; if several complete on that token, the one starting earliest wins (then the
     first listed). Invalid bytes at the end of the text are held like an incomplete character
     until a token with complete text arrives, so a model emitting garbage bytes grows the window.
+    As vLLM's, a stop string ends generation only at a token after the first `min_tokens` (counted
+    after `delivered_ids`); one completed earlier stays in the text.
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         delivered_ids: Sequence[int] = (),
         delivered_chars: int | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -67,6 +70,9 @@ class IncrementalDetokenizer:
         self._emitted: list[str] = []
         self._pending = ""
         self._finished = False
+        # Tokens read, and how many must be read before a stop string counts: none does among the delivered ones
+        # (had one counted there, the answer would have ended before it moved).
+        self._num_tokens, self._min_tokens = 0, min_tokens + len(delivered_ids)
         # Output whose text an earlier detokenizer already returned, `delivered_chars` of it (an answer moved to
         # another engine): read again so that `text`, the held-back text and the stop matcher continue where
         # that one stopped. It may have held back more or less than this one does: what it held back and this
@@ -97,6 +103,7 @@ class IncrementalDetokenizer:
         """
         if self._finished or self.stop_matched is not None:
             raise RuntimeError("add_token after the detokenizer finished (stop string matched or flush called)")
+        self._num_tokens += 1
         self._window.append(token_id)
         new_text = self._decode(self._window)
         if new_text.endswith(_REPLACEMENT) or len(new_text) <= len(self._prefix_text):
@@ -133,6 +140,8 @@ class IncrementalDetokenizer:
         pending = self._pending + delta
         # Earlier matches would already have ended generation, so any match here is new and ends inside `delta`.
         hit = self._stops.feed(delta)
+        if self._num_tokens <= self._min_tokens:
+            hit = None  # the matcher still reads the text: a stop string that ends after min_tokens counts
         if hit is not None:
             start, i = hit  # earliest match wins; at the same position, the first listed stop
             self.stop_matched = self.stop[i]

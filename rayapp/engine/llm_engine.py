@@ -21,7 +21,7 @@ from rayapp.engine.sequence import Sequence
 from rayapp.engine.sparse_kv import SparseKV
 from rayapp.engine.structured import Grammars, accept
 from rayapp.engine.tier_connector import TierConnector, TierPort
-from rayapp.models.loader import DEFAULT_MODEL, ModelSpec, resolve_model
+from rayapp.models.loader import ModelSpec, model_id, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 from rayapp.observability import Metric, counters, gauges
 
@@ -52,15 +52,18 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model_path = resolve_model(config.model.model)
+        model_path = resolve_model(config.model.model, config.model.revision)
         self.spec = ModelSpec.from_dir(model_path)
-        self.model_id = config.model.model or DEFAULT_MODEL
+        self.model_id = model_id(config.model.model, config.model.revision)
         limit = self.spec.max_position_embeddings
         if config.model.max_model_len is not None and config.model.max_model_len > limit:
             raise ValueError(f"max_model_len={config.model.max_model_len} exceeds the model's context length {limit}")
         self.max_model_len = config.model.max_model_len or limit
         self.tokenizer = load_tokenizer(model_path)
-        self.runner = ModelRunner(config, model_path, self.spec)
+        self.eos_token_ids = set(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.runner = ModelRunner(config, model_path, self.spec, self.eos_token_ids)
         self.block_manager = BlockManager(
             self.runner.num_pages, config.cache.block_size, self.model_id, config.cache.enable_prefix_caching
         )
@@ -69,9 +72,6 @@ class LLMEngine:
             self.max_model_len, self.spec.vocab_size, self.block_manager.num_pages, config.cache.block_size
         )
         self.extensions = build_extensions(config, self.runner, self.block_manager, self.scheduler, self.max_model_len)
-        self.eos_token_ids = set(self.spec.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.grammars = Grammars(self.tokenizer, self.spec.vocab_size)
         self._requests: dict[str, Request] = {}
         # Requests with n > 1, by request id, until their last answer finishes.
@@ -178,11 +178,13 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         ids = list(prompt_token_ids or [])
         max_new = self.limits.check(ids, params.max_tokens, block_hashes, delivered_tokens)
+        self.limits.check_logit_bias(params.logit_bias)
         seq = self._sequence(request_id, ids, params, cache_salt, block_hashes)
         cut = len(ids) - delivered_tokens
         detok = IncrementalDetokenizer(
-            self.tokenizer, ids[:cut], params.stop, delivered_ids=ids[cut:], delivered_chars=delivered_chars
-        )
+            self.tokenizer, ids[:cut], params.stop, delivered_ids=ids[cut:], delivered_chars=delivered_chars,
+            min_tokens=params.min_tokens,
+        )  # fmt: skip
         request = Request(seq, prompt, ids, detok, max_new, [] if params.logprobs is not None else None)
         if params.n > 1:
             request.group = RequestGroup(request_id, params.n, [request])
@@ -218,7 +220,8 @@ class LLMEngine:
             hashes = seq.block_hashes[: len(ids) // bm.block_size]
             child = Request(
                 self._sequence(f"{group.request_id}#{i}", ids, params, seq.cache_salt, hashes), parent.prompt, ids,
-                IncrementalDetokenizer(self.tokenizer, ids, params.stop), parent.max_new_tokens,
+                IncrementalDetokenizer(self.tokenizer, ids, params.stop, min_tokens=params.min_tokens),
+                parent.max_new_tokens,
                 None if parent.logprobs is None else [], counted_cached=True, index=i, group=group,
             )  # fmt: skip
             group.members.append(child)
@@ -289,12 +292,18 @@ class LLMEngine:
         if req.logprobs is not None:
             req.logprobs.append(logprob)
         self._counters["generation_tokens"] += 1
-        delta = req.detokenizer.add_token(token)
+        # Before min_tokens, stop tokens do not stop (as vLLM's): the sampler forbids them, unless a grammar
+        # left nothing else.
+        may_stop = seq.num_output_tokens >= seq.params.min_tokens
+        eos = may_stop and token in self.eos_token_ids and not seq.params.ignore_eos
+        stop_token = may_stop and token in seq.params.stop_token_ids
+        # As vLLM's, the token that stops the answer adds no text.
+        delta = "" if eos or stop_token else req.detokenizer.add_token(token)
         reason: str | None = None
         stop_reason: str | int | None = None
-        if token in self.eos_token_ids and not seq.params.ignore_eos:
+        if eos:
             reason = "stop"
-        elif token in seq.params.stop_token_ids:
+        elif stop_token:
             reason, stop_reason = "stop", token
         elif req.detokenizer.stop_matched is not None:
             reason, stop_reason = "stop", req.detokenizer.stop_matched

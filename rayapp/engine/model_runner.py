@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from itertools import accumulate, chain
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,7 +44,9 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """One device: the model weights, the KV pool, and the sampler."""
 
-    def __init__(self, config: EngineConfig, model_path: Path, spec: ModelSpec) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: Path, spec: ModelSpec, eos_token_ids: Iterable[int] = ()
+    ) -> None:
         self.config = config
         self.spec = spec
         self.device = torch.device(config.model.device)
@@ -74,7 +77,7 @@ class ModelRunner:
         self.scale = spec.head_dim**-0.5
         if self.device.type == "cpu" and self.dtype in native.DTYPES:
             native.available()  # build (or load) the C++ decode kernel now, not inside the first step
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids)
         logger.info("KV cache: %d pages of %d tokens (%s)", self.num_pages, self.block_size, self.dtype)
 
     @property
@@ -116,10 +119,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         params = [batch.seqs[i].params for i in sample_seqs]
         generators = [batch.seqs[i].generator for i in sample_seqs]
-        constrained = constrain(logits, [batch.seqs[i].grammar for i in sample_seqs])
-        sampled = self.sampler(constrained, params, generators).tolist()
+        seqs = [batch.seqs[i] for i in sample_seqs]
+        constrained = constrain(logits, [seq.grammar for seq in seqs])
+        sampled = self.sampler(constrained, params, generators, seqs).tolist()
         for i, tok in zip(sample_seqs, sampled):
             tokens[i] = tok
+        # Logprobs of the raw logits, before any processor or filter: vLLM's default (`raw_logprobs`).
         wanted = [j for j, p in enumerate(params) if p.logprobs is not None]
         if wanted:
             top = [params[j].logprobs for j in wanted]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rayapp.blocks import BlockHash
@@ -152,3 +153,15 @@ class RequestLimits:
                 f"delivered_tokens={delivered_tokens} must be in [0, {len(ids)}) for this prompt", "delivered_tokens"
             )
         return max_new
+
+    def check_logit_bias(self, bias: Iterable[tuple[int, float]]) -> None:
+        """LimitError naming `logit_bias` when one of its (token id, bias) pairs names a token outside the
+        vocabulary (as vLLM refuses them)."""
+        outside = sorted(t for t, _ in bias if not 0 <= t < self.vocab_size)
+        if outside:
+            raise LimitError(
+                f"logit_bias names token ids outside this model's vocabulary of {self.vocab_size} tokens "
+                f"({', '.join(map(str, outside[:5]))}{', ...' if len(outside) > 5 else ''}); use ids in "
+                f"[0, {self.vocab_size})",
+                "logit_bias",
+            )

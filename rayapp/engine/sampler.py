@@ -1,10 +1,14 @@
-"""Picking the next token from logits: greedy, temperature, top-k, top-p, seeded sampling (as vLLM)."""
+"""Picking the next token from logits: the logits processors, greedy, temperature, min-p, top-k, top-p, seeded
+sampling (as vLLM)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
+from rayapp.engine.logits_processors import TokenHistory, apply_min_p, process_logits
 from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.sampling_params import SamplingParams
 
@@ -37,18 +41,33 @@ def _k(top_k: int, vocab: int) -> int:
 class Sampler:
     """Turns a batch of logits into next tokens, each row with its own sampling settings.
 
-    Reproducibility contract: a seeded row's token depends only on its logits and its generator,
-    never on its neighbours. So noise is always drawn in vocabulary order (one [V] draw per seeded
-    row per step), and filters only touch rows that asked for them.
+    Reproducibility contract: a seeded row's token depends only on its logits, its own settings and
+    tokens, and its generator, never on its neighbours. So noise is always drawn in vocabulary order
+    (one [V] draw per seeded row per step), and processors and filters only touch rows that asked
+    for them.
+
+    `eos_token_ids`: the model's EOS tokens, which `min_tokens` forbids (unless `ignore_eos`).
     """
 
+    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+
     def __call__(
-        self, logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self,
+        logits: Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        history: Sequence[TokenHistory] = (),
     ) -> Tensor:
-        """logits: [B, V] float32 (one row per sequence) -> next token ids [B] int64 (same device)."""
+        """logits: [B, V] float32 (one row per sequence) -> next token ids [B] int64 (same device).
+
+        `history[i]`: row i's sequence, which min_tokens and the penalties read (may be empty when no row
+        sets them).
+        """
         batch, vocab = logits.shape
         if len(params) != batch or len(generators) != batch:
             raise ValueError(f"got {batch} logit rows, {len(params)} params and {len(generators)} generators")
+        logits = process_logits(logits, params, history, self.eos_token_ids)
         greedy = [_is_greedy(p) for p in params]
         # argmax returns the first maximal index, so ties go to the lowest id, like Hugging Face.
         greedy_ids = logits.argmax(dim=-1)  # [B]
@@ -59,13 +78,15 @@ class Sampler:
         # Greedy rows ride along with neutral settings (no filter); their sampled token is discarded.
         # One host-to-device copy per step for all per-row settings.
         rows = [
-            (1.0, vocab, 1.0, 1.0) if g else (p.temperature, _k(p.top_k, vocab), p.top_p, 0.0)
+            (1.0, vocab, 1.0, 1.0, 0.0) if g else (p.temperature, _k(p.top_k, vocab), p.top_p, 0.0, p.min_p)
             for g, p in zip(greedy, params, strict=True)
         ]
-        settings = torch.tensor(rows, dtype=torch.float64, device=device)  # settings: [B, 4]
+        settings = torch.tensor(rows, dtype=torch.float64, device=device)  # settings: [B, 5]
         temperature = settings[:, 0].float()  # [B]
         scaled = logits.float() / temperature[:, None]  # scaled: [B, V]
-        if any(k < vocab or p < 1.0 for _, k, p, _ in rows):
+        if any(row[4] > 0.0 for row in rows):
+            scaled = apply_min_p(scaled, settings[:, 4].float())
+        if any(k < vocab or p < 1.0 for _, k, p, _, _ in rows):
             scaled = _top_k_top_p(scaled, settings[:, 1].long(), settings[:, 2].float())
         probs = scaled.softmax(dim=-1)  # probs: [B, V]
 

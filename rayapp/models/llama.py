@@ -1,4 +1,4 @@
-"""The Llama-family forward (Llama, SmolLM2, Qwen2) over a flat batch of tokens.
+"""The Llama-family forward (Llama, SmolLM2, Qwen2, Qwen3) over a flat batch of tokens.
 
 The model knows nothing about pages or requests: each layer hands its q, k, v to an
 `Attention` callable that the engine supplies, which stores K/V wherever the engine keeps them
@@ -77,6 +77,9 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # Qwen3: one RMSNorm over head_dim, shared by the heads, on queries and keys before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
 
     def forward(self, index: int, h: Tensor, cos: Tensor, sin: Tensor, attention: Attention) -> Tensor:
         # h: [T, hidden]; cos/sin: [T, 1, D]
@@ -85,6 +88,8 @@ class DecoderLayer(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         h = h + self.o_proj(attention(index, q, k, v).reshape(t, -1))
@@ -93,7 +98,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Qwen2 decoder. `forward` takes a flat batch: all scheduled tokens of all sequences."""
+    """Llama / Qwen2 / Qwen3 decoder. `forward` takes a flat batch: all scheduled tokens of all sequences."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -140,6 +145,9 @@ class LlamaForCausalLM(nn.Module):
             own[f"layers.{i}.down_proj.weight"] = state[mlp + "down_proj.weight"]
             own[f"layers.{i}.input_layernorm.weight"] = state[p + "input_layernorm.weight"]
             own[f"layers.{i}.post_attention_layernorm.weight"] = state[p + "post_attention_layernorm.weight"]
+            if self.spec.qk_norm:
+                own[f"layers.{i}.q_norm.weight"] = state[attn + "q_norm.weight"]
+                own[f"layers.{i}.k_norm.weight"] = state[attn + "k_norm.weight"]
         self.load_state_dict(own, strict=True, assign=True)
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -43,7 +43,7 @@ from rayapp.engine.tier_connector import METRICS as TIER_METRICS
 from rayapp.kernels.cpu import cpu_plan
 from rayapp.kvtier import log_unavailable
 from rayapp.kvtier.client import METRICS as CLIENT_METRICS
-from rayapp.models.loader import DEFAULT_MODEL, resolve_model
+from rayapp.models.loader import model_id, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 from rayapp.observability import Metric, counters
 from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM, kv_transfer_config
@@ -79,10 +79,16 @@ def engine_kwargs(config: AppConfig) -> dict[str, Any]:
         # The dtype rayapp's engine would run on this CPU: vLLM's `auto` takes bf16 even where oneDNN has no bf16
         # path (AVX2-only CPUs), which runs several times slower than float32 there.
         kwargs["dtype"] = cpu_plan(kwargs.get("dtype", config.dtype)).dtype_name
-    sized = {"kv_cache_memory_bytes", "num_gpu_blocks_override"} & kwargs.keys()
+    sized = {"kv_cache_memory_bytes", "num_gpu_blocks_override", "gpu_memory_utilization"} & kwargs.keys()
     if not sized and (on_cpu or "kv_cache_memory_gb" in config.model_fields_set):
-        # On CPU vLLM would otherwise size the cache from the free memory of the whole host.
+        # On CPU vLLM would otherwise size the cache from the free memory of the whole host. On an accelerator
+        # vLLM's own sizing (gpu_memory_utilization of the device, less weights and activations) holds unless
+        # the user asked for a size.
         kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gb * 2**30)
+    if config.devices_per_replica() > 1:
+        # vLLM's Ray executor starts one worker per device in the bundles of the replica's placement group (vLLM
+        # finds it when its engine config is made in the replica's actor and hands it to its engine core).
+        kwargs["distributed_executor_backend"] = "ray"
     if config.sparse.sparse_config().enabled or config.kvtier.enabled:
         # The retrieval plugin's and the tier writer's stats live in vLLM's worker: read for /metrics.
         kwargs["worker_extension_cls"] = REPLICA_EXTENSION
@@ -142,7 +148,8 @@ class _StatLogger(StatLoggerBase):
 
 
 def _sampling(params: SamplingParams, own_text: bool = False) -> VLLMSamplingParams:
-    """vLLM's sampling parameters; `own_text`: token ids only, rayapp's detokenizer makes the text (and stops)."""
+    """vLLM's sampling parameters; `own_text`: token ids only, rayapp's detokenizer makes the text (and stops: it
+    must be given `min_tokens` too). vLLM keeps EOS and stop_token_ids back until `min_tokens` either way."""
     return VLLMSamplingParams(
         max_tokens=params.max_tokens,
         temperature=params.temperature,
@@ -156,6 +163,12 @@ def _sampling(params: SamplingParams, own_text: bool = False) -> VLLMSamplingPar
         logprobs=params.logprobs,
         structured_outputs=None if params.structured is None else _structured(params.structured),
         n=params.n,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
+        logit_bias=dict(params.logit_bias) or None,
+        min_tokens=params.min_tokens,
         output_kind=RequestOutputKind.DELTA,
     )
 
@@ -221,18 +234,18 @@ class VLLMBackend:
             buffer_steps=REPLAY_BUFFER_STEPS,
         )
         check_config(config)
-        model_id = config.model or DEFAULT_MODEL
+        identity = model_id(config.model, config.revision)
         kwargs = engine_kwargs(config)
         if config.kvtier.enabled:
             try:
-                kwargs["kv_transfer_config"] = kv_transfer_config(config.kvtier, model_id)
+                kwargs["kv_transfer_config"] = kv_transfer_config(config.kvtier, identity)
             except Exception as error:  # no database: serve without the tier rather than not at all
                 log_unavailable(error)
         sparse = config.sparse.sparse_config()
         if sparse.enabled:  # the retrieval plugin, in this process and the engine core it starts
             os.environ.update(settings_env(sparse))
             register()
-        model_dir = resolve_model(config.model)
+        model_dir = resolve_model(config.model, config.revision)
         args = AsyncEngineArgs(model=str(model_dir), kv_events_config=kv_events, **kwargs)
         stats = _EngineStats()
         cpu_slot = None
@@ -241,7 +254,7 @@ class VLLMBackend:
             cpu_slot = bind_cpu_slot(config.num_cpus, kwargs)
         engine = AsyncLLM.from_engine_args(args, stat_loggers=[functools.partial(_StatLogger, stats=stats)])
         block_size = config.kv_block_size()
-        events = VLLMKVEvents(kv_events.endpoint, kv_events.replay_endpoint, model_id, block_size)
+        events = VLLMKVEvents(kv_events.endpoint, kv_events.replay_endpoint, identity, block_size)
         tier = "kv_transfer_config" in kwargs and config.kvtier.enabled
         return cls(engine, events, stats, block_size, cpu_slot, load_tokenizer(model_dir), sparse.enabled, tier)
 
@@ -259,7 +272,7 @@ class VLLMBackend:
             cut = len(ids) - request.delivered_tokens
             detok = IncrementalDetokenizer(
                 self.tokenizer, ids[:cut], request.sampling.stop, delivered_ids=ids[cut:],
-                delivered_chars=request.delivered_chars,
+                delivered_chars=request.delivered_chars, min_tokens=request.sampling.min_tokens,
             )  # fmt: skip
         try:
             stream = self.engine.generate(prompt, _sampling(request.sampling, detok is not None), request.request_id)

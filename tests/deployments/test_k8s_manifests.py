@@ -1,15 +1,20 @@
 """The KubeRay manifests under k8s/: they parse, KubeRay would accept them, they run the same Serve
-config as rayapp.config.yaml, and each overlay asks for the device its replicas use.
+config as rayapp.config.yaml (the overlays differ only in device, engine, model and sizing), and each
+overlay asks for the devices its replicas use.
 
-Overlays are built by `kustomize_build` below, a small stand-in for `kubectl kustomize` that knows
-exactly the kustomization fields k8s/ uses (and fails on any other), so no binary is needed.
+Overlays are rendered by `kubectl kustomize` where kubectl is installed, else by `kustomize_build`
+below, a small stand-in that knows exactly the kustomization fields k8s/ uses (and fails on any
+other); where both run, a test holds them to the same output.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,13 @@ K8S = ROOT / "k8s"
 DEPLOYMENTS = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu", "npu": K8S / "overlays" / "npu"}
 DEVICE = {"base": "cpu", "gpu": "cuda", "npu": "npu"}
 ACCELERATOR = {"gpu": "nvidia.com/gpu", "npu": "huawei.com/Ascend910"}
+# The args an overlay may set apart from the base: what runs where (device, engine, model) and how big it is.
+# Everything else (router, tier, limits, batching, dtype...) must stay as in rayapp.config.yaml.
+OVERLAY_ARGS = {
+    "device", "engine", "model", "served_model_name",
+    "gpu_memory_utilization", "tensor_parallel_size", "kv_cache_memory_gb", "num_pages", "max_model_len",
+    "replicas", "autoscaling_config", "num_cpus",
+}  # fmt: skip
 
 
 # --- a tiny kustomize -------------------------------------------------------------------------
@@ -107,8 +119,30 @@ def apply_json_patch(doc: dict[str, Any], ops: list[dict[str, Any]]) -> None:
 # --- reading the result -----------------------------------------------------------------------
 
 
+def kubectl_kustomize(directory: Path) -> list[dict[str, Any]] | None:
+    """What `kubectl kustomize directory` prints; None without kubectl."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return None
+    done = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"kubectl kustomize {directory} failed: {done.stderr}"
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc is not None]
+
+
+@functools.cache
+def _rendered(name: str) -> list[dict[str, Any]]:
+    directory = DEPLOYMENTS[name]
+    objects = kubectl_kustomize(directory)
+    return kustomize_build(directory) if objects is None else objects
+
+
+def render(name: str) -> list[dict[str, Any]]:
+    """The objects `kubectl apply -k` would send for deployment `name` (a copy: tests may change it)."""
+    return copy.deepcopy(_rendered(name))
+
+
 def rayservice(name: str) -> dict[str, Any]:
-    services = [obj for obj in kustomize_build(DEPLOYMENTS[name]) if obj["kind"] == "RayService"]
+    services = [obj for obj in render(name) if obj["kind"] == "RayService"]
     assert len(services) == 1
     return services[0]
 
@@ -153,13 +187,62 @@ def test_base_serve_config_is_rayapp_config_yaml():
     assert cluster == local
 
 
+def _without_overlay_args(config: dict[str, Any]) -> dict[str, Any]:
+    config = copy.deepcopy(config)
+    for app in config["applications"]:
+        app["args"] = {k: v for k, v in app["args"].items() if k not in OVERLAY_ARGS}
+    return config
+
+
 @pytest.mark.parametrize("name", ["gpu", "npu"])
-def test_overlay_changes_only_the_device_and_runs_vllm_there(name):
-    expected = serve_config(rayservice("base"))
-    for app in expected["applications"]:
-        app["args"]["device"] = DEVICE[name]
-        app["args"]["engine"] = "vllm"
-    assert serve_config(rayservice(name)) == expected
+def test_overlay_changes_only_device_engine_model_and_sizing(name):
+    base, overlay = serve_config(rayservice("base")), serve_config(rayservice(name))
+    assert _without_overlay_args(overlay) == _without_overlay_args(base), (
+        f"k8s/overlays/{name}/rayservice-patch.yaml's serveConfigV2 drifted from the base beyond the args an "
+        f"overlay may change ({', '.join(sorted(OVERLAY_ARGS))}): copy the base's text over and change only those"
+    )
+
+
+@pytest.mark.parametrize("name", ["gpu", "npu"])
+def test_overlay_serves_a_real_model_on_vllm_sized_by_gpu_memory_utilization(name):
+    for app in serve_config(rayservice(name))["applications"]:
+        config = AppConfig(**app["args"])
+        assert config.engine == "vllm"
+        assert config.model and "/" in config.model, "a Hugging Face repo id, as users of vLLM name models"
+        # vLLM's accelerator sizing, not the CPU setting the base carries.
+        assert config.gpu_memory_utilization is not None
+        assert "kv_cache_memory_gb" not in config.model_fields_set
+
+
+@pytest.mark.parametrize("name", ["gpu", "npu"])
+def test_overlay_gives_vllm_no_fixed_kv_cache_size(name):
+    pytest.importorskip("vllm")
+    from rayapp.vllm_ext.engine import engine_kwargs
+
+    for app in serve_config(rayservice(name))["applications"]:
+        config = AppConfig(**app["args"])
+        kwargs = engine_kwargs(config)
+        assert "kv_cache_memory_bytes" not in kwargs
+        assert kwargs["gpu_memory_utilization"] == config.gpu_memory_utilization
+        assert kwargs["tensor_parallel_size"] == config.tensor_parallel()
+
+
+def test_drift_check_lets_sizing_through_and_nothing_else():
+    # The comparison the overlay test stands on: a sizing change passes, any other change is caught.
+    base = serve_config(rayservice("base"))
+    sized = copy.deepcopy(base)
+    sized["applications"][0]["args"].update(tensor_parallel_size=2, autoscaling_config={"max_replicas": 4})
+    assert _without_overlay_args(sized) == _without_overlay_args(base)
+    drifted = copy.deepcopy(base)
+    drifted["applications"][0]["args"]["kvtier"] = {"enabled": False}
+    assert _without_overlay_args(drifted) != _without_overlay_args(base)
+
+
+def test_tiny_kustomize_renders_what_kubectl_does():
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: the overlays are rendered by kustomize_build alone")
+    for directory in DEPLOYMENTS.values():
+        assert kustomize_build(directory) == kubectl_kustomize(directory), directory
 
 
 def test_npu_workers_allow_vllm_ascends_plugins():
@@ -196,13 +279,27 @@ def test_app_config_rejects_args_a_typo_would_produce():
 
 
 @pytest.mark.parametrize("name", ["gpu", "npu"])
-def test_accelerator_overlay_gives_each_worker_pod_one_device(name):
-    (group,) = worker_groups(rayservice(name))
+def test_accelerator_overlay_gives_each_worker_pod_the_devices_of_one_replica(name):
+    # A replica's tensor-parallel workers share a node (STRICT_PACK), so a pod must hold all of them.
+    service = rayservice(name)
+    (group,) = worker_groups(service)
     resources = group["template"]["spec"]["containers"][0]["resources"]
-    assert resources["requests"][ACCELERATOR[name]] == 1
-    assert resources["limits"][ACCELERATOR[name]] == 1
+    (app,) = serve_config(service)["applications"]
+    devices = AppConfig(**app["args"]).devices_per_replica()
+    assert resources["requests"][ACCELERATOR[name]] == devices, "set the pods' devices to tensor_parallel_size"
+    assert resources["limits"][ACCELERATOR[name]] == devices, "set the pods' devices to tensor_parallel_size"
     other = ({"gpu", "npu"} - {name}).pop()
     assert ACCELERATOR[other] not in resources["limits"]
+
+
+@pytest.mark.parametrize("name", ["gpu", "npu"])
+def test_accelerator_overlay_says_how_to_set_image_and_node_selector(name):
+    patch = (DEPLOYMENTS[name] / "rayservice-patch.yaml").read_text()
+    kustomization = (DEPLOYMENTS[name] / "kustomization.yaml").read_text()
+    assert "NODE SELECTOR" in patch and "nodeSelector" in patch and ACCELERATOR[name] in patch
+    assert "SET THIS" in kustomization
+    readme = (K8S / "README.md").read_text()
+    assert "nodeSelector" in readme and ACCELERATOR[name] in readme
 
 
 def test_base_worker_pods_ask_for_no_accelerator():
@@ -217,22 +314,38 @@ def test_npu_workers_declare_to_ray_the_npu_the_pod_was_given():
     assert ray_custom_resources(group["rayStartParams"]) == {"NPU": pod_npus}
 
 
+def replica_resources(config: AppConfig) -> dict[str, float]:
+    """The Ray resources one replica takes on its node: its placement group's bundles, or its actor's options."""
+    bundles = config.placement_group_options().get("placement_group_bundles")
+    if bundles is None:
+        options = config.ray_actor_options()
+        bundles = [{"CPU": options["num_cpus"], "GPU": options.get("num_gpus", 0), **options.get("resources", {})}]
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            total[key] = total.get(key, 0) + amount
+    return total
+
+
 @pytest.mark.parametrize("name", DEPLOYMENTS)
 def test_worker_group_has_room_for_every_replica(name):
-    # What a replica asks Ray for (AppConfig.ray_actor_options) against what one worker pod
-    # offers Ray: its CPU limit, its GPUs, its rayStartParams resources. The head offers none.
+    # What a replica asks Ray for (its actor, or its placement group's bundles) against what one
+    # worker pod offers Ray: its CPU limit, its GPUs, its rayStartParams resources. The head offers none.
     service = rayservice(name)
     assert service["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     (group,) = worker_groups(service)
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-    offered = {"num_cpus": quantity(limits["cpu"]), "num_gpus": quantity(limits.get("nvidia.com/gpu", 0))}
+    offered = {"CPU": quantity(limits["cpu"]), "GPU": quantity(limits.get("nvidia.com/gpu", 0))}
     offered.update(ray_custom_resources(group["rayStartParams"]))
     for app in serve_config(service)["applications"]:
         config = AppConfig(**app["args"])
-        asked = config.ray_actor_options()
-        asked.update(asked.pop("resources", {}))
+        asked = replica_resources(config)
         per_pod = min(offered.get(key, 0) // amount for key, amount in asked.items() if amount)
-        assert per_pod * group["replicas"] >= config.replicas, (name, asked, offered)
+        scaling = config.autoscaling_config
+        first = config.replicas if scaling is None else (scaling.initial_replicas or scaling.min_replicas)
+        most = config.replicas if scaling is None else scaling.max_replicas
+        assert per_pod * group["replicas"] >= first, (name, asked, offered)
+        assert per_pod * group["maxReplicas"] >= most, (name, asked, offered)
 
 
 @pytest.mark.parametrize("name", DEPLOYMENTS)
@@ -268,7 +381,7 @@ def test_clients_reach_port_8000_through_one_kuberay_managed_service(name):
     assert {"name": "serve", "containerPort": 8000} in head["ports"]
     assert serve_config(service)["http_options"]["port"] == 8000
     # A plain Service of the same name would collide with the one KubeRay creates.
-    objects = kustomize_build(DEPLOYMENTS[name])
+    objects = render(name)
     assert not [obj for obj in objects if obj["kind"] == "Service" and obj["metadata"]["name"] == "rayapp"]
 
 

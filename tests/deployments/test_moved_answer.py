@@ -139,3 +139,17 @@ def test_each_unfinished_answer_of_a_request_moves_and_finishes(engine, tokenize
         text = "".join(i.text for i in items if i.index == k)
         assert text == tokenizer.decode(answer.generated, skip_special_tokens=True)
         assert [i.finish_reason for i in items if i.index == k and i.finished] == ["length"]
+
+
+def test_a_moved_answer_keeps_what_is_left_of_min_tokens(engine, tokenizer):
+    ids = chat_token_ids(tokenizer, MESSAGES)
+    # EOS (id 2) would be every token; min_tokens holds it back for 10, counted across the move.
+    held = SamplingParams(temperature=0, max_tokens=12, min_tokens=10, logit_bias={2: 100.0})
+
+    async def check():
+        whole, reason, consumed = await _answer(engine, ids, held, None)
+        assert reason == "stop" and consumed == 11
+        for cut in range(1, consumed):
+            assert (await _answer(engine, ids, held, cut)) == (whole, "stop", 11), cut
+
+    engine[2].run_until_complete(check())

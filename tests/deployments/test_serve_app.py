@@ -349,7 +349,6 @@ def test_completions_endpoint(base_url, client):
         # Known fields that would change the answer and are not implemented: refused, never silently dropped.
         ({"model": MODEL, "messages": QUESTION, "response_format": {"type": "json_schema"}}, 400, "response_format"),
         ({"model": MODEL, "messages": QUESTION, "response_format": {"type": "yaml"}}, 400, "response_format.type"),
-        ({"model": MODEL, "messages": QUESTION, "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"model": MODEL, "messages": QUESTION, "functions": [{"name": "f"}]}, 400, "functions"),
         ({"model": MODEL, "messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs"),
         ({"model": MODEL, "messages": QUESTION, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
@@ -358,6 +357,43 @@ def test_completions_endpoint(base_url, client):
 def test_bad_requests_get_openai_errors(base_url, body, status, param):
     error = _error(_post(base_url, body), status)
     assert error["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"49152": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"max_completion_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+    ],
+)
+def test_sampling_fields_out_of_vllms_ranges_are_400s_naming_the_field(base_url, fields, param):
+    error = _error(_post(base_url, {"model": MODEL, "messages": QUESTION, **fields}), 400)
+    assert error["param"] == param and error["code"] != "unsupported_parameter"
+
+
+def test_every_vllm_sampling_field_is_served(base_url, client, tokenizer):
+    (cat,) = tokenizer.encode(" cat")
+    # A +100 bias makes " cat" every token; what the penalties take off never makes up for it.
+    fields = {
+        "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2, "min_p": 0.05, "min_tokens": 4,
+        "logit_bias": {str(cat): 100},
+    }  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=6, temperature=0, extra_body=fields
+    )
+    assert chat.choices[0].message.content == " cat" * 6
+    body = {"model": MODEL, "prompt": "Pets:", "max_tokens": 5, "temperature": 0.7, "seed": 1, **fields}
+    completion = _post(base_url, body, path="/v1/completions")
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["text"] == " cat" * 5
 
 
 # Tool calling. A 135M model rarely decides to call on its own, so the round trip forces the call by name

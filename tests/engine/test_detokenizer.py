@@ -231,3 +231,24 @@ def test_an_answer_resumed_at_any_cut_streams_the_rest_of_the_same_text(tokenize
         third = IncrementalDetokenizer(tokenizer, prompt, stop=stop, delivered_ids=ids[:cut], delivered_chars=held)
         rest = [third.add_token(t) for t in ids[cut:consumed]] + [third.flush()]
         assert sent[:held] + "".join(rest) == whole_text, cut
+
+
+def test_a_stop_string_counts_only_after_min_tokens(tokenizer, prompt):
+    ids = _ids(tokenizer, " end one. end two. end three.")
+    whole = tokenizer.decode(ids)
+    detok = IncrementalDetokenizer(tokenizer, prompt, stop=("end",), min_tokens=3)
+    streamed = [detok.add_token(t) for t in ids[:4]]
+    # " end" completes at token 1, within the first 3: it stays; the next one, token 4, stops.
+    assert detok.stop_matched == "end"
+    assert "".join(streamed) + detok.flush() == detok.text == whole[: whole.index("end", 2)]
+    assert detok.text == " end one. "
+
+
+def test_min_tokens_counts_after_the_delivered_tokens_of_a_moved_answer(tokenizer, prompt):
+    ids = _ids(tokenizer, " end one. end two. end three.")
+    # 2 tokens delivered; min_tokens is what is left of the answer's 3 (1 more), as the ingress asks.
+    detok = IncrementalDetokenizer(tokenizer, prompt, stop=("end",), delivered_ids=ids[:2], min_tokens=1)
+    detok.add_token(ids[2])
+    assert detok.stop_matched is None
+    detok.add_token(ids[3])
+    assert detok.stop_matched == "end" and detok.text == " end one. "
