@@ -33,7 +33,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from rayapp.blocks import BlockHash
-from rayapp.kvtier.catalog_sql import NODE_INDEX, TABLE, UPSERT_COLUMNS, CatalogSQL, Dialect, detect_dialect
+from rayapp.kvtier.catalog_sql import UPSERT_COLUMNS, CatalogSQL, Dialect, detect_dialect
 from rayapp.kvtier.records import (
     BlockKey,
     BlockLocation,
@@ -88,7 +88,7 @@ def _describe(dsn: str) -> str:
 
 
 class Catalog:
-    """The `kv_blocks` table of one database, reached through a connection pool.
+    """The `kv_blocks_v<width>` table of one database, reached through a connection pool.
 
     Construction creates the table (and the pgvector extension on PostgreSQL) when missing; it
     does not raise when the database is unreachable, it starts disabled. A table made earlier with
@@ -205,14 +205,8 @@ class Catalog:
             if extension is not None:
                 conn.execute(extension)
             conn.execute(sql.create_table())
-            if conn.execute(sql.index_exists(), {"name": NODE_INDEX}).fetchone() is None:
+            if conn.execute(sql.index_exists(), {"name": sql.node_index}).fetchone() is None:
                 conn.execute(sql.create_node_index())
-            typmod = conn.execute(sql.representation_typmod(), {"table": TABLE}).fetchone()[0]
-        if typmod != self.representation_dim:
-            raise ValueError(
-                f"table {TABLE} in {_describe(self.dsn)} holds vector({typmod}) representations but this model's "
-                f"have {self.representation_dim} values; drop the table or point kvtier.dsn at another database"
-            )
 
     def _disable_locked(self, err: Exception) -> None:
         pool, self._pool = self._pool, None

@@ -8,9 +8,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-TABLE = "kv_blocks"
-NODE_INDEX = "kv_blocks_node_idx"
-
 
 class Dialect(enum.Enum):
     POSTGRESQL = "postgresql"
@@ -44,6 +41,16 @@ class CatalogSQL:
     dialect: Dialect
     representation_dim: int
 
+    # A table per representation width, so models of different KV widths share one database, and a database
+    # that outlives the cluster (the embedded one keeps its files in the temp dir) serves the next model too.
+    @property
+    def table(self) -> str:
+        return f"kv_blocks_v{self.representation_dim}"
+
+    @property
+    def node_index(self) -> str:
+        return f"{self.table}_node_idx"
+
     def create_extension(self) -> str | None:
         # openGauss ships DataVec's `vector` type built in; PostgreSQL needs the pgvector extension.
         return "CREATE EXTENSION IF NOT EXISTS vector" if self.dialect is Dialect.POSTGRESQL else None
@@ -53,7 +60,7 @@ class CatalogSQL:
 
     def create_table(self) -> str:
         return (
-            f"CREATE TABLE IF NOT EXISTS {TABLE} (block_hash BIGINT NOT NULL, parent_hash BIGINT NULL, "
+            f"CREATE TABLE IF NOT EXISTS {self.table} (block_hash BIGINT NOT NULL, parent_hash BIGINT NULL, "
             "model_id TEXT NOT NULL, cache_salt TEXT NOT NULL, layer_group INTEGER NOT NULL, node_id TEXT NOT NULL, "
             "store_name TEXT NOT NULL, nbytes BIGINT NOT NULL, num_tokens INTEGER NOT NULL, "
             f"representation vector({self.representation_dim}) NULL, "
@@ -65,21 +72,14 @@ class CatalogSQL:
         return "SELECT 1 FROM pg_class WHERE relname = %(name)s AND relkind = 'i'"
 
     def create_node_index(self) -> str:
-        return f"CREATE INDEX {NODE_INDEX} ON {TABLE} (node_id)"
-
-    def representation_typmod(self) -> str:
-        # pgvector and DataVec both keep a vector column's dimension as its type modifier.
-        return (
-            "SELECT a.atttypmod FROM pg_attribute a JOIN pg_class c ON a.attrelid = c.oid "
-            "WHERE c.relname = %(table)s AND a.attname = 'representation' AND pg_table_is_visible(c.oid)"
-        )
+        return f"CREATE INDEX {self.node_index} ON {self.table} (node_id)"
 
     def upsert(self, num_rows: int) -> str:
         """One multi-row statement (a single round trip) for `num_rows` rows of positional parameters,
         `UPSERT_COLUMNS` in order per row."""
         one = ", ".join("%s::vector" if c == "representation" else "%s" for c in UPSERT_COLUMNS)
         values = ", ".join([f"({one}, now())"] * num_rows)
-        insert = f"INSERT INTO {TABLE} ({', '.join(UPSERT_COLUMNS)}, last_used) VALUES {values}"
+        insert = f"INSERT INTO {self.table} ({', '.join(UPSERT_COLUMNS)}, last_used) VALUES {values}"
         updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in _UPDATED_COLUMNS)
         if self.dialect is Dialect.OPENGAUSS:
             return f"{insert} ON DUPLICATE KEY UPDATE {updates}"
@@ -87,14 +87,14 @@ class CatalogSQL:
 
     def locate(self) -> str:
         return (
-            f"SELECT {_LOCATION_COLUMNS} FROM {TABLE} "
+            f"SELECT {_LOCATION_COLUMNS} FROM {self.table} "
             "WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[])"
         )
 
     def topk_inner_product(self) -> str:
         # `<#>` is the negative inner product on both pgvector and DataVec: ascending = most relevant first.
         return (
-            f"SELECT {_LOCATION_COLUMNS}, representation <#> %(query)s::vector AS distance FROM {TABLE} "
+            f"SELECT {_LOCATION_COLUMNS}, representation <#> %(query)s::vector AS distance FROM {self.table} "
             "WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[]) "
             "AND representation IS NOT NULL ORDER BY distance LIMIT %(k)s"
         )
@@ -102,13 +102,13 @@ class CatalogSQL:
     # Deletes return the keys of the rows they removed: those blocks left the tier, and the prefix
     # router must hear so (`KVTierStore` reports them). Both dialects support DELETE ... RETURNING.
     def delete_node(self) -> str:
-        return f"DELETE FROM {TABLE} WHERE node_id = %(node_id)s {_RETURNING_KEYS}"
+        return f"DELETE FROM {self.table} WHERE node_id = %(node_id)s {_RETURNING_KEYS}"
 
     def delete_nodes_except(self) -> str:
-        return f"DELETE FROM {TABLE} WHERE NOT (node_id = ANY(%(alive)s::text[])) {_RETURNING_KEYS}"
+        return f"DELETE FROM {self.table} WHERE NOT (node_id = ANY(%(alive)s::text[])) {_RETURNING_KEYS}"
 
     def delete_hashes(self, *, guarded: bool) -> str:
-        sql = f"DELETE FROM {TABLE} WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[])"
+        sql = f"DELETE FROM {self.table} WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[])"
         # A guarded delete removes only rows that still point at the caller's store: after another
         # store re-wrote the block, the row is that store's and must stay.
         if guarded:
@@ -116,11 +116,11 @@ class CatalogSQL:
         return f"{sql} {_RETURNING_KEYS}"
 
     def usage(self, *, per_node: bool) -> str:
-        sql = f"SELECT count(*), COALESCE(SUM(nbytes), 0) FROM {TABLE}"
+        sql = f"SELECT count(*), COALESCE(SUM(nbytes), 0) FROM {self.table}"
         return sql + " WHERE node_id = %(node_id)s" if per_node else sql
 
     def touch(self) -> str:
         return (
-            f"UPDATE {TABLE} SET last_used = now() "
+            f"UPDATE {self.table} SET last_used = now() "
             "WHERE layer_group = %(layer_group)s AND block_hash = ANY(%(hashes)s::bigint[])"
         )

@@ -151,9 +151,16 @@ def test_touch_counts_the_rows_it_refreshed(catalog):
     assert catalog.touch(hashes, layer_group=3) == 0
 
 
-def test_a_table_of_another_dimension_is_refused_with_advice(dsn, catalog):
-    with pytest.raises(ValueError, match="vector\\(192\\).*drop the table"):
-        Catalog(dsn, 64)
+def test_models_of_another_kv_width_share_the_database_in_a_table_of_their_own(dsn, catalog):
+    # As when the next `serve run` (the embedded database outlives the cluster) serves a model of other KV heads.
+    other = Catalog(dsn, 64)
+    assert catalog.upsert(rows(chain(2, "wide")))
+    narrow = chain(3, "narrow")
+    assert other.upsert(rows(narrow, representations=[np.full(64, 0.5, dtype=np.float32)] * 3))
+    assert other.longest_chain(narrow).num_present == 3
+    assert other.longest_chain(chain(2, "wide")) == ChainMatch()
+    assert catalog.longest_chain(chain(2, "wide")).num_present == 2
+    other.close()
 
 
 def test_opengauss_is_detected_from_its_version_text():
@@ -195,7 +202,7 @@ def test_a_table_dropped_under_the_catalog_is_recreated_on_retry(dsn, catalog):
     quick = Catalog(dsn, REPRESENTATION_DIM, retry_after_s=0.0)
     assert quick.upsert(rows(chain(2)))
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("DROP TABLE kv_blocks")  # as if the database were re-initialized
+        conn.execute(f"DROP TABLE kv_blocks_v{REPRESENTATION_DIM}")  # as if the database were re-initialized
     assert quick.longest_chain(chain(2)) == ChainMatch()  # no error reaches the caller
     assert quick.upsert(rows(chain(2)))  # reconnected: the table is back
     assert quick.longest_chain(chain(2)).num_present == 2
