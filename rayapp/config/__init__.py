@@ -1,15 +1,7 @@
 """rayapp's settings: the engine's frozen dataclasses (`rayapp.config.engine`) and the Serve
 application's Pydantic models that validate `rayapp.config.yaml` (`rayapp.config.app`)."""
 
-from rayapp.config.app import (
-    AppConfig,
-    AutoscalingSettings,
-    KVTierSettings,
-    LayerwiseSettings,
-    LimitSettings,
-    RouterConfig,
-    SparseSettings,
-)
+from rayapp.config.app import AppConfig
 from rayapp.config.engine import (
     DTYPE_OPTIONS,
     DTYPES,
@@ -22,6 +14,14 @@ from rayapp.config.engine import (
     ModelConfig,
     SchedulerConfig,
     SparseConfig,
+)
+from rayapp.config.sections import (
+    AutoscalingSettings,
+    KVTierSettings,
+    LayerwiseSettings,
+    LimitSettings,
+    RouterConfig,
+    SparseSettings,
 )
 
 __all__ = [
