@@ -4,6 +4,7 @@
     PYTHONPATH=. python bench/sparse_attention.py --only quality --cases 12
     PYTHONPATH=. python bench/sparse_attention.py --only resume     # a 64K history resumed from the cluster tier
     PYTHONPATH=. python bench/sparse_attention.py --engine vllm --contexts 16384 32768   # the vLLM plugin
+    PYTHONPATH=. python bench/sparse_attention.py --kernels triton --only quality  # Triton kernels' report first
 
 Speed and memory use a random-weight model of SmolLM2-135M's shape (30 layers, 9 query / 3 KV
 heads of 64) at 8K-64K contexts, since the shipped model stops at 8K. Quality uses the shipped
@@ -292,9 +293,20 @@ def main() -> None:
     parser.add_argument(
         "--engine", choices=["rayapp", "vllm"], default="rayapp", help="vllm: the retrieval plugin vs stock vLLM"
     )
+    parser.add_argument(
+        "--kernels",
+        choices=["cpu", "triton"],
+        default="cpu",
+        help="triton: first report the Triton kernels' compile times per GPU target and their interpreter check "
+        "(bench/triton_kernels.py); the run itself keeps the CPU kernels (PyTorch and C++)",
+    )
     parser.add_argument("--worker", choices=["stock", "plugin", "rayapp"], help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.kernels == "triton" and not args.worker:
+        import triton_kernels
+
+        triton_kernels.run()
     if args.engine == "vllm":
         import sparse_vllm
 
