@@ -89,6 +89,11 @@ def engine_kwargs(config: AppConfig) -> dict[str, Any]:
         # vLLM's Ray executor starts one worker per device in the bundles of the replica's placement group (vLLM
         # finds it when its engine config is made in the replica's actor and hands it to its engine core).
         kwargs["distributed_executor_backend"] = "ray"
+    sparse_on_cuda = config.sparse.sparse_config().enabled and config.device.split(":")[0] == "cuda"
+    if sparse_on_cuda and "attention_backend" not in kwargs:
+        # The retrieval plugin's CUDA backend is vLLM's CUSTOM one (`rayapp.vllm_ext.retrieval_cuda`); a backend the
+        # user named stays theirs.
+        kwargs["attention_config"] = {"backend": "CUSTOM", **(kwargs.get("attention_config") or {})}
     if config.sparse.sparse_config().enabled or config.kvtier.enabled:
         # The retrieval plugin's and the tier writer's stats live in vLLM's worker: read for /metrics.
         kwargs["worker_extension_cls"] = REPLICA_EXTENSION

@@ -3,20 +3,24 @@
 A tier block holds one page of every layer as `key` and `value` of `[num_layers, block_size,
 num_kv_heads, head_dim]` (`rayapp.kvtier.codec.KVBlock`), the layout rayapp's engine writes, so a
 block means the same thing whichever engine wrote it. vLLM lays pages out per platform and
-attention backend; `PageLayout` names the ones this module reads and writes, found from the
-shape of the tensors vLLM registers with the connector:
+attention backend; `PageLayout` names the ones this module reads and writes. The layout comes from
+the attention backend the layers run (`page_layout`), never from a tensor's shape: vLLM's CPU cache
+and its CUDA caches have the same logical shape and different contents.
 
 - `CPU`: vLLM's CPU backend, one tensor per layer `[num_blocks, H, block_size, 2 * D]`: per page
   and head, K's `block_size * D` values, then V's, each packed for the kernel's instruction set
   (`vec`: K transposed, V by token; `amx`: both tiled for AMX). The packing is read from vLLM's
   own choice of instruction set and checked once against vLLM's cache-write kernel.
-- `NHD`: FlashAttention and Triton on CUDA, `[2, num_blocks, block_size, H, D]`.
-- `HND`: FlashInfer on CUDA, `[2, num_blocks, H, block_size, D]`.
-- `SPLIT`: K and V as two tensors `[num_blocks, block_size, H, D]` (vllm-ascend).
+- `CHANNELS`: vLLM 0.32 on CUDA (FlashAttention, Triton, FlashInfer, FlexAttention), one tensor per layer,
+  logically `[num_blocks, H, block_size, 2 * D]` with K and V as the channel halves of each token
+  (`kv_cache.transpose(1, 2).split(D, -1)` in those backends); its physical order is the engine's
+  `KVCacheLayout` (LBNHC by default), which this module follows through the tensor's strides.
+- `SPLIT`: vllm-ascend 0.23, K and V as two tensors `[num_blocks, block_size, H, D]`.
 
-Only `CPU` ran here; the CUDA and Ascend layouts follow those backends' `get_kv_cache_shape`.
-Any other shape (MLA's latent cache, quantized caches, a CPU instruction set without a known
-packing) is refused when the caches are registered, with the reason, never misread.
+Where vLLM splits a page into kernel blocks (`block_size` a multiple of the tensors' pages), the
+`block_size // kernel_block` kernel blocks of page `p` are `p * ratio ...`, as vLLM groups them.
+Any other backend, shape or dtype (MLA's latent cache, quantized caches, a CPU instruction set without a
+known packing) is refused when the caches are registered, naming it, never misread.
 """
 
 from __future__ import annotations
@@ -34,28 +38,64 @@ _Split = tuple[torch.Tensor, tuple[int, ...]]
 
 class PageLayout(enum.Enum):
     CPU = "cpu"
-    NHD = "nhd"
-    HND = "hnd"
+    CHANNELS = "channels"
     SPLIT = "split"
 
 
-def _layout(cache: torch.Tensor | Sequence[torch.Tensor], block_size: int, heads: int, dim: int) -> PageLayout:
-    if isinstance(cache, (tuple, list)):
-        if len(cache) == 2 and all(t.dim() == 4 and tuple(t.shape[1:]) == (block_size, heads, dim) for t in cache):
-            return PageLayout.SPLIT
-        shapes = [tuple(t.shape) for t in cache]
-        raise ValueError(f"KV cache tensors of shapes {shapes} are not a layout the cluster tier can read")
-    shape = tuple(cache.shape)
-    if cache.dim() == 4 and shape[1:] == (heads, block_size, 2 * dim):
-        return PageLayout.CPU
-    if cache.dim() == 5 and shape[0] == 2:
-        nhd, hnd = shape[2:] == (block_size, heads, dim), shape[2:] == (heads, block_size, dim)
-        if nhd != hnd:  # both when heads == block_size: the shape alone cannot tell them apart
-            return PageLayout.NHD if nhd else PageLayout.HND
+# Attention backends by the qualified name of a class in their MRO (rayapp's retrieval backends subclass these).
+BACKEND_LAYOUTS: dict[str, PageLayout] = {
+    "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend": PageLayout.CPU,
+    "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend": PageLayout.CHANNELS,
+    "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend": PageLayout.CHANNELS,
+    "vllm.v1.attention.backends.flashinfer.FlashInferBackend": PageLayout.CHANNELS,
+    "vllm.v1.attention.backends.flex_attention.FlexAttentionBackend": PageLayout.CHANNELS,
+    "vllm_ascend.attention.attention_v1.AscendAttentionBackend": PageLayout.SPLIT,
+}
+# Quantized caches carry scales beside the pages (or in them); a tier block of their bytes would not mean the same.
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def page_layout(backend: type | None) -> PageLayout:
+    """The page layout of vLLM attention backend `backend` (its class, as the attention layers hold it)."""
+    for cls in getattr(backend, "__mro__", ()):
+        layout = BACKEND_LAYOUTS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if layout is not None:
+            return layout
+    name = f"{backend.__module__}.{backend.__qualname__}" if backend is not None else "none named"
+    known = ", ".join(path.rsplit(".", 1)[1] for path in BACKEND_LAYOUTS)
     raise ValueError(
-        f"a KV cache of shape {shape} is not a layout the cluster tier can read (pages of {block_size} tokens, "
-        f"{heads} KV heads of {dim}); turn kvtier off for this model or platform"
+        f"the cluster tier does not know the KV page layout of vLLM attention backend {name} (it reads {known}); "
+        "turn kvtier off for this model or platform"
     )
+
+
+def _kernel_block(cache, layout: PageLayout, heads: int, dim: int) -> int | None:
+    """Tokens per page of `cache`'s tensors; None where `cache` is not `layout`'s shape for `heads` x `dim`."""
+    if layout is PageLayout.SPLIT:
+        if not (isinstance(cache, (tuple, list)) and len(cache) == 2):
+            return None
+        k, v = cache
+        if k.shape != v.shape or k.dim() != 4 or tuple(k.shape[2:]) != (heads, dim):
+            return None
+        return k.shape[1]
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or (cache.shape[1], cache.shape[3]) != (heads, 2 * dim):
+        return None
+    return cache.shape[2]
+
+
+def _check_shape(cache, layout: PageLayout, block_size: int, heads: int, dim: int) -> None:
+    """Raise unless `cache` is a layer's cache in `layout` for pages of `block_size` tokens, `heads` x `dim`."""
+    tensors = list(cache) if isinstance(cache, (tuple, list)) else [cache]
+    kernel = _kernel_block(cache, layout, heads, dim)
+    ok = kernel is not None and block_size % kernel == 0 and (layout is not PageLayout.CPU or kernel == block_size)
+    if not (ok and tensors[0].shape[0] % (block_size // kernel) == 0):
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ValueError(
+            f"a KV cache of shape {shapes[0] if len(shapes) == 1 else shapes} is not vLLM's {layout.value} page "
+            f"layout for pages of {block_size} tokens, {heads} KV heads of {dim}; turn kvtier off for this model"
+        )
+    if tensors[0].dtype not in _DTYPES:
+        raise ValueError(f"a {tensors[0].dtype} KV cache is quantized; the cluster tier reads {list(_DTYPES)}")
 
 
 def _cpu_vec(pages: torch.Tensor, bs: int, h: int, d: int) -> tuple[_Split, _Split]:
@@ -78,6 +118,14 @@ _CPU_PACKINGS: dict[str, Callable[[torch.Tensor, int, int, int], tuple[_Split, _
     "vec": _cpu_vec,
     "amx": _cpu_amx,
 }
+
+
+def _whole_pages(kernel_pages: torch.Tensor, bs: int) -> _Split:
+    """K or V as `[num_kernel_blocks, kernel_bs, H, D]` grouped into vLLM's pages of `bs` tokens."""
+    _, kernel, h, d = kernel_pages.shape
+    if kernel == bs:
+        return kernel_pages, (bs, h, d)
+    return kernel_pages.unflatten(0, (-1, bs // kernel)), (bs // kernel, kernel, h, d)
 
 
 def cpu_page_keys(cache: torch.Tensor, isa: str, page_ids: torch.Tensor) -> torch.Tensor:
@@ -107,17 +155,18 @@ class PagedKV:
         block_size: int,
         heads: int,
         dim: int,
+        backend: type | None,
         cpu_isa: str | None = None,
     ) -> PagedKV:
-        """`kv_caches` as vLLM registers them (layer name → cache, in layer order). On CPU, `cpu_isa` is
-        the instruction set vLLM's CPU attention picked for this cache, and is checked against vLLM's kernel."""
+        """`kv_caches` as vLLM registers them (layer name → cache, in layer order), written by attention
+        backend `backend` (the class the layers hold). On CPU, `cpu_isa` is the instruction set vLLM's CPU
+        attention picked for this cache, and is checked against vLLM's kernel."""
         if not kv_caches:
             raise ValueError("vLLM registered no KV cache with the connector")
+        layout = page_layout(backend)
         layers = list(kv_caches.values())
-        layouts = {_layout(cache, block_size, heads, dim) for cache in layers}
-        if len(layouts) != 1:
-            raise ValueError(f"layers use different KV cache layouts ({sorted(x.value for x in layouts)})")
-        layout = layouts.pop()
+        for cache in layers:
+            _check_shape(cache, layout, block_size, heads, dim)
         if layout is PageLayout.CPU and cpu_isa not in _CPU_PACKINGS:
             raise ValueError(
                 f"vLLM's CPU attention packs pages for {cpu_isa!r}; the cluster tier reads {sorted(_CPU_PACKINGS)}"
@@ -155,12 +204,12 @@ class PagedKV:
 
     def _split(self, cache: torch.Tensor | Sequence[torch.Tensor]) -> tuple[_Split, _Split]:
         bs, h, d = self.block_size, self.num_kv_heads, self.head_dim
-        page = (bs, h, d)
         if self.layout is PageLayout.CPU:
             return _CPU_PACKINGS[self.cpu_isa](cache.view(cache.shape[0], h, 2, bs * d), bs, h, d)
-        if self.layout is PageLayout.HND:  # [2, B, H, bs, D]
-            return (cache[0].transpose(1, 2), page), (cache[1].transpose(1, 2), page)
-        return (cache[0], page), (cache[1], page)  # NHD, SPLIT: [B, bs, H, D]
+        if self.layout is PageLayout.CHANNELS:  # logical [B, H, bs, 2 * D], any physical order
+            k, v = cache.transpose(1, 2).split(d, dim=-1)
+            return _whole_pages(k, bs), _whole_pages(v, bs)
+        return _whole_pages(cache[0], bs), _whole_pages(cache[1], bs)  # SPLIT: [B, bs, H, D] each
 
     def gather(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the pages `block_ids` as K and V `[num_layers, n, block_size, H, D]` on the CPU."""

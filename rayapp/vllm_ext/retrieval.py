@@ -3,29 +3,40 @@
 `pip install rayapp[vllm]` registers it under vLLM's `vllm.general_plugins` entry points; vLLM calls
 `register` in every process it starts. It acts only when `VLLM_PLUGINS` names `retrieval` (vLLM loads
 every installed plugin when `VLLM_PLUGINS` is unset, and then vLLM must stay stock), e.g.
-`VLLM_PLUGINS=retrieval vllm serve ...`, or on NPU `VLLM_PLUGINS=ascend_enhanced_model,ascend,retrieval`.
+`VLLM_PLUGINS=retrieval vllm serve ...`, or on NPU, where vllm-ascend's own plugins must be named too,
+`VLLM_PLUGINS=ascend,ascend_model,ascend_kv_connector,ascend_model_loader,ascend_service_profiling,retrieval`.
 
 Settings are the seed plugin's environment (`VLLM_RETRIEVAL_INIT_TOKENS_NUM`, `..._LOCAL_TOKENS_NUM`,
 `..._TOPK_PERCENT`, `..._DENSE_BOUNDARY`, `..._OFFLOAD_BOUNDARY`), validated as rayapp's `SparseConfig`,
 plus `RAYAPP_RETRIEVAL_SETTINGS` (a JSON object of any `SparseConfig` field, which wins; rayapp's own
 vLLM replicas pass their `sparse:` section this way).
 
-On CPU the plugin puts `RetrievalCPUBackend` (`rayapp.vllm_ext.retrieval_backend`) in the place of
-vLLM's CPU attention backend. Other platforms have no sparse backend yet: there the plugin says so
-once and vLLM runs its own attention. Stats live in the worker process (`stats()`); through vLLM's
-engine they are read with `collective_rpc("retrieval_stats")` when the engine was built with
-`worker_extension_cls=WORKER_EXTENSION`.
+Backends, each built on the platform's own attention (prefill and dense rows stay its kernels), sharing the row
+planning of `rayapp.vllm_ext.retrieval_plan`:
+- CPU: `RetrievalCPUBackend` (`retrieval_backend`) takes the place of vLLM's CPU attention (`CPU_ATTN`).
+- CUDA: `RetrievalTritonBackend` (`retrieval_cuda`, on vLLM's TRITON_ATTN, rayapp's Triton kernels for sparse
+  rows) is registered as vLLM's `CUSTOM` backend, which vLLM runs when selected:
+  `attention_config={"backend": "CUSTOM"}` (`--attention-backend CUSTOM`; rayapp's replicas set it).
+- Ascend NPU (vllm-ascend 0.23): vllm-ascend picks its attention classes itself, so `NPUPlatform.get_attn_backend_cls`
+  is wrapped to return `RetrievalAscendBackend` (`retrieval_ascend`, rayapp's kernels through triton-ascend)
+  in place of vllm-ascend's `AscendAttentionBackend`.
+Other platforms (ROCm, another NPU or release) have no sparse backend: there the plugin says so once and vLLM
+runs its own attention. DDR offload (`offload_boundary`) is a rayapp-engine feature on every platform: vLLM's
+pages cannot move to host memory, so longer contexts run sparse on the device (logged). Stats live in the
+worker process (`stats()`); through vLLM's engine they are read with `collective_rpc("retrieval_stats")` when
+the engine was built with `worker_extension_cls=WORKER_EXTENSION`.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict
-from importlib.metadata import distributions
+from importlib.metadata import PackageNotFoundError, distributions, version
 
 import torch
 from torch import Tensor
@@ -39,6 +50,11 @@ PLUGIN_NAME = "retrieval"
 SETTINGS_ENV = "RAYAPP_RETRIEVAL_SETTINGS"
 WORKER_EXTENSION = "rayapp.vllm_ext.retrieval.RetrievalWorkerExtension"
 BACKEND_PATH = "rayapp.vllm_ext.retrieval_backend.RetrievalCPUBackend"
+CUDA_BACKEND_PATH = "rayapp.vllm_ext.retrieval_cuda.RetrievalTritonBackend"
+ASCEND_BACKEND_PATH = "rayapp.vllm_ext.retrieval_ascend.RetrievalAscendBackend"
+# vllm-ascend's backend for plain decoder models, which the Ascend backend subclasses, and the releases it follows.
+ASCEND_STOCK_PATH = "vllm_ascend.attention.attention_v1.AscendAttentionBackend"
+ASCEND_RELEASES = ("0.23.",)
 # Loaded only when VLLM_PLUGINS names them, so never added to the list on a user's behalf.
 ENDPOINTS = "vllm.endpoint_plugins"
 
@@ -81,27 +97,78 @@ def settings_env(config: SparseConfig) -> dict[str, str]:
 
 
 def register() -> None:
-    """vLLM's entry point: on CPU, replace vLLM's CPU attention backend with the retrieval one."""
+    """vLLM's entry point: put the platform's retrieval backend in place of its attention (module docstring)."""
     if not plugin_named():
         return
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     config = retrieval_config()  # a bad setting fails the engine's start here, saying which
-    if not current_platform.is_cpu():
-        logger.warning(
-            "retrieval plugin: no sparse attention backend for %s yet; vLLM runs its own attention",
-            current_platform.device_name,
-        )
-        return
-    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+        where = "in place of vLLM's CPU attention"
+    elif current_platform.is_cuda():
+        register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND_PATH)
+        where = 'as vLLM\'s CUSTOM attention backend, run where selected (attention_config={"backend": "CUSTOM"})'
+    else:
+        refused = install_ascend() if getattr(current_platform, "device_type", None) == "npu" else "no backend for it"
+        if refused is not None:
+            _log_once(f"retrieval plugin: no sparse attention on {current_platform.device_name} ({refused}); vLLM "
+                      "runs its own attention")  # fmt: skip
+            return
+        where = "in place of vllm-ascend's AscendAttentionBackend"
     logger.info(
-        "retrieval plugin: sparse decode above %d tokens (init %d, window %d, top %.0f%% of %d-token blocks); "
+        "retrieval plugin: sparse decode %s above %d tokens (init %d, window %d, top %.0f%% of %d-token blocks); "
         "vLLM cannot hand its pages to host memory, so sequences above offload_boundary=%d also run sparse on "
         "the device",
-        config.dense_boundary, config.init_tokens, config.local_tokens, 100 * config.topk_percent,
+        where, config.dense_boundary, config.init_tokens, config.local_tokens, 100 * config.topk_percent,
         config.retrieval_block_size, config.offload_boundary,
     )  # fmt: skip
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    """A warning this process gives once (vLLM and rayapp's replica may both call `register`)."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.warning(message)
+
+
+def install_ascend() -> str | None:
+    """Wrap vllm-ascend's `NPUPlatform.get_attn_backend_cls` so that where it returns its plain attention backend,
+    vLLM gets the retrieval one. None when in place; else why not (vllm-ascend missing, or a release the Ascend
+    backend was not written against)."""
+    try:
+        release = version("vllm-ascend")
+        from vllm_ascend.platform import NPUPlatform
+    except (ImportError, PackageNotFoundError) as error:
+        return f"vllm-ascend is not importable: {error}"
+    if not release.startswith(ASCEND_RELEASES):
+        return f"vllm-ascend {release}; the Ascend backend follows {', '.join(r + 'x' for r in ASCEND_RELEASES)}"
+    stock = NPUPlatform.get_attn_backend_cls
+    if getattr(stock, "rayapp_retrieval", False):
+        return None
+
+    def get_attn_backend_cls(cls, *args, **kwargs):
+        path = stock.__func__(cls, *args, **kwargs)
+        return ASCEND_BACKEND_PATH if path == ASCEND_STOCK_PATH and _ascend_backend_imports() else path
+
+    get_attn_backend_cls.rayapp_retrieval = True
+    NPUPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    return None
+
+
+def _ascend_backend_imports() -> bool:
+    """Whether the Ascend backend imports against this vLLM and vllm-ascend (their class names are its guard)."""
+    try:
+        importlib.import_module(ASCEND_BACKEND_PATH.rsplit(".", 1)[0])
+    except ImportError as error:
+        _log_once(f"retrieval plugin: its Ascend backend does not import here ({error}); vllm-ascend runs its own "
+                  "attention")  # fmt: skip
+        return False
+    return True
 
 
 class RetrievalStats:

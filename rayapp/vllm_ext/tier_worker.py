@@ -116,9 +116,12 @@ class TierWorker:
     def register(self, kv_caches: dict[str, Any]) -> None:
         """Take vLLM's KV caches. A layout `PagedKV` cannot read turns the tier off for this engine (one error
         in the log): nothing is saved, and every load the scheduler plans fails, so vLLM recomputes."""
-        isa = getattr(self._forward_context.get(next(iter(kv_caches), "")), "isa", None)
+        layer = self._forward_context.get(next(iter(kv_caches), ""))
+        backend, isa = getattr(layer, "attn_backend", None), getattr(layer, "isa", None)
         try:
-            self.pages = PagedKV.from_registered(kv_caches, self.block_size, self.num_kv_heads, self.head_dim, isa)
+            self.pages = PagedKV.from_registered(
+                kv_caches, self.block_size, self.num_kv_heads, self.head_dim, backend, isa
+            )
         except ValueError as error:
             logger.error("cluster KV tier off for this engine: %s", error)
 

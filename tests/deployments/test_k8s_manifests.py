@@ -249,7 +249,7 @@ def test_npu_workers_allow_vllm_ascends_plugins():
     # VLLM_PLUGINS is an allow-list: without ascend's names there, vLLM on the NPU pods loads no platform.
     (group,) = worker_groups(rayservice("npu"))
     env = {e["name"]: e for e in group["template"]["spec"]["containers"][0].get("env", [])}
-    assert {"ascend", "ascend_enhanced_model"} <= set(env["VLLM_PLUGINS"]["value"].split(","))
+    assert {"ascend", "ascend_model", "ascend_kv_connector"} <= set(env["VLLM_PLUGINS"]["value"].split(","))
     assert "RAYAPP_API_KEYS" in env  # appended to the base's environment, not replacing it
 
 

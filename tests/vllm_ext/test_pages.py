@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: E402
 
 from rayapp.vllm_ext.pages import PagedKV, PageLayout  # noqa: E402
 
@@ -31,7 +32,8 @@ def _kernel_cache(isa: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
 @pytest.mark.parametrize(("isa", "dtype"), [("vec", torch.bfloat16), ("vec", torch.float32), ("amx", torch.bfloat16)])
 def test_cpu_pages_read_as_the_tokens_kv_and_write_back_as_the_kernel_would(isa, dtype):
     cache, key, value = _kernel_cache(isa, dtype)
-    paged = PagedKV.from_registered({"layer.0": cache, "layer.1": cache.clone()}, BS, H, D, isa)
+    caches = {"layer.0": cache, "layer.1": cache.clone()}
+    paged = PagedKV.from_registered(caches, BS, H, D, CPUAttentionBackend, isa)
     assert paged.layout is PageLayout.CPU and paged.block_shape == (2, BS, H, D)
     got_key, got_value = paged.gather([1])  # [L, n, bs, H, D]
     assert torch.equal(got_key[0, 0], key) and torch.equal(got_value[0, 0], value)
@@ -39,19 +41,8 @@ def test_cpu_pages_read_as_the_tokens_kv_and_write_back_as_the_kernel_would(isa,
     assert torch.equal(cache[2], cache[1])
 
 
-def test_gpu_layouts_read_k_and_v_of_the_page():
-    key, value = torch.randn(PAGES, BS, H, D), torch.randn(PAGES, BS, H, D)
-    nhd = PagedKV.from_registered({"l": torch.stack([key, value])}, BS, H, D)
-    hnd = PagedKV.from_registered({"l": torch.stack([key, value]).transpose(2, 3).contiguous()}, BS, H, D)
-    split = PagedKV.from_registered({"l": (key, value)}, BS, H, D)
-    assert (nhd.layout, hnd.layout, split.layout) == (PageLayout.NHD, PageLayout.HND, PageLayout.SPLIT)
-    for paged in (nhd, hnd, split):
-        got_key, got_value = paged.gather([2, 0])
-        assert torch.equal(got_key[0], key[[2, 0]]) and torch.equal(got_value[0], value[[2, 0]])
-
-
-def test_layouts_it_cannot_read_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match=r"shape \(3, 1, 128, 576\)"):  # MLA's latent cache, say
-        PagedKV.from_registered({"l": torch.zeros(PAGES, 1, BS, 576)}, BS, H, D)
+def test_cpu_layouts_it_cannot_read_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match=r"shape \(3, 1, 128, 576\) is not vLLM's cpu page layout"):  # MLA's, say
+        PagedKV.from_registered({"l": torch.zeros(PAGES, 1, BS, 576)}, BS, H, D, CPUAttentionBackend, "vec")
     with pytest.raises(ValueError, match="packs pages for 'neon'"):
-        PagedKV.from_registered({"l": torch.zeros(PAGES, H, BS, 2 * D)}, BS, H, D, "neon")
+        PagedKV.from_registered({"l": torch.zeros(PAGES, H, BS, 2 * D)}, BS, H, D, CPUAttentionBackend, "neon")
