@@ -5,11 +5,17 @@ Protocol: each replica sends its events in order as numbered batches. Batch 0 is
 must carry the next number. A gap (a lost batch) or a replica this actor does not know (it
 restarted and lost its state) is answered False, and the replica resends a snapshot. A replica
 that stops sending (not even its heartbeat) for `replica_timeout_s` is dropped.
+
+Event batches and removals run in their own thread (the "events" concurrency group), matches and
+stats in another, one lock between them: a routing decision waits for the batch being applied at
+most, never for the queue of batches behind it (with 1,000 replicas publishing, that queue is long).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 
 import ray
 
@@ -32,26 +38,31 @@ def _is_cluster(event: KVEvent) -> bool:
 
 
 class PrefixIndexService:
-    """The actor's body (a plain class, so tests drive it without Ray)."""
+    """The actor's body (a plain class, so tests drive it without Ray). Thread-safe: one lock."""
 
     def __init__(self, max_blocks: int, replica_timeout_s: float) -> None:
         self.index = PrefixIndex(max_blocks)
         self.replica_timeout_s = replica_timeout_s
         self._next_batch: dict[str, int] = {}
-        self._last_heard: dict[str, float] = {}
+        # Least recently heard first, so finding the silent ones costs nothing per call with 1,000 replicas.
+        self._last_heard: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.RLock()
 
+    @ray.method(concurrency_group="events")
     def publish(self, replica: str, batch: int, events: list[KVEvent]) -> bool:
         """Apply batch number `batch` of `replica`'s events; False: resend a snapshot as batch 0."""
-        self._drop_silent()
-        if batch != 0 and batch != self._next_batch.get(replica):
-            self.remove_replica(replica)
-            return False
-        # Cluster-tier events, whichever replica reports them, change the one shared holder.
-        self.index.apply(replica, [e for e in events if not _is_cluster(e)])
-        self.index.apply(CLUSTER_HOLDER, [e for e in events if _is_cluster(e)])
-        self._next_batch[replica] = batch + 1
-        self._last_heard[replica] = time.monotonic()
-        return True
+        with self._lock:
+            self._drop_silent()
+            if batch != 0 and batch != self._next_batch.get(replica):
+                self.remove_replica(replica)
+                return False
+            # Cluster-tier events, whichever replica reports them, change the one shared holder.
+            self.index.apply(replica, [e for e in events if not _is_cluster(e)])
+            self.index.apply(CLUSTER_HOLDER, [e for e in events if _is_cluster(e)])
+            self._next_batch[replica] = batch + 1
+            self._last_heard[replica] = time.monotonic()
+            self._last_heard.move_to_end(replica)
+            return True
 
     def match(self, block_hashes: list[BlockHash], replicas: list[str]) -> dict[str, Holding]:
         """Leading blocks of the request each of `replicas` holds (replicas holding none are absent).
@@ -59,12 +70,19 @@ class PrefixIndexService:
         Blocks in the cluster tier count for every replica, as off-device (loadable) blocks past the ones
         it holds itself: both runs start at the first block, so together they cover the longer one.
         """
-        self._drop_silent()
+        with self._lock:
+            self._drop_silent()
+            overlaps = self.index.match(block_hashes)
         wanted = set(replicas)
-        overlaps = self.index.match(block_hashes)
-        held = {
-            r: Holding(o.blocks, sum(t != Tier.DEVICE for t in o.tiers)) for r, o in overlaps.items() if r in wanted
-        }
+        # Replicas with the same run share one Overlap (a system prompt's 1,000 holders): one Holding each.
+        holdings: dict[int, Holding] = {}
+        held = {}
+        for r, o in overlaps.items():
+            if r in wanted:
+                holding = holdings.get(id(o))
+                if holding is None:
+                    holding = holdings[id(o)] = Holding(o.blocks, sum(t != Tier.DEVICE for t in o.tiers))
+                held[r] = holding
         cluster = overlaps.get(CLUSTER_HOLDER)
         if cluster is None:
             return held
@@ -74,28 +92,32 @@ class PrefixIndexService:
                 held[r] = Holding(cluster.blocks, own.offloaded + cluster.blocks - own.blocks)
         return held
 
+    @ray.method(concurrency_group="events")
     def remove_replica(self, replica: str) -> None:
         """Forget a replica (it stopped, died, or must resend a snapshot)."""
-        self.index.remove_replica(replica)
-        self._next_batch.pop(replica, None)
-        self._last_heard.pop(replica, None)
+        with self._lock:
+            self.index.remove_replica(replica)
+            self._next_batch.pop(replica, None)
+            self._last_heard.pop(replica, None)
 
     def stats(self) -> dict[str, int]:
-        self._drop_silent()
-        return {"blocks": len(self.index), "replicas": len(self._next_batch)}
+        with self._lock:
+            self._drop_silent()
+            return {"blocks": len(self.index), "replicas": len(self._next_batch)}
 
     def replicas(self) -> list[str]:
         """The replicas currently reporting."""
-        self._drop_silent()
-        return sorted(self._next_batch)
+        with self._lock:
+            self._drop_silent()
+            return sorted(self._next_batch)
 
     def _drop_silent(self) -> None:
         deadline = time.monotonic() - self.replica_timeout_s
-        for replica in [r for r, t in self._last_heard.items() if t < deadline]:
-            self.remove_replica(replica)
+        while self._last_heard and next(iter(self._last_heard.values())) < deadline:
+            self.remove_replica(next(iter(self._last_heard)))
 
 
-PrefixIndexActor = ray.remote(num_cpus=0)(PrefixIndexService)
+PrefixIndexActor = ray.remote(num_cpus=0, concurrency_groups={"events": 1})(PrefixIndexService)
 
 
 def prefix_index(app_name: str, config: RouterConfig) -> ray.actor.ActorHandle:
