@@ -22,7 +22,7 @@ LAYERS = [
     {"engine"},
     {"kvtier", "prefix_router"},
     {"llm", "vllm_ext"},
-    {"deployments"},
+    {"deployments", "integrations"},
     {"cli"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

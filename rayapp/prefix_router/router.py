@@ -1,7 +1,8 @@
 """`PrefixAwareRouter`: Serve's request router for the replicas, routing each request by its cached prefix.
 
 It runs inside every deployment handle of the replicas (the ingress'). Per request it reads the
-block hashes the ingress computed, asks the PrefixIndex actor which candidate holds how many
+block hashes the ingress computed (`prompt_blocks`; `rayapp.integrations` computes them itself behind
+Ray Serve LLM's ingress), asks the PrefixIndex actor which candidate holds how many
 leading blocks, takes each candidate's ongoing requests from Serve's queue-length cache, and
 ranks the candidates by `policy.rank`. It never blocks the event loop and never fails a
 request on the index's account: an index that is slow (over `index_timeout_s`) or down sends
@@ -23,6 +24,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from rayapp.blocks import BlockHash
 from rayapp.config import RouterConfig
 from rayapp.observability import PUSH_PERIOD_S
 from rayapp.observability.hub import HubClient
@@ -68,9 +70,7 @@ class PrefixAwareRouter(RequestRouter):
         start = time.perf_counter()
         if self._pusher is None and _in_serve_replica():
             self._pusher = asyncio.get_running_loop().create_task(self._push_metrics())
-        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        hashes = getattr(request, "block_hashes", None) or []
-        prompt_tokens = len(getattr(request, "prompt_token_ids", ()))
+        hashes, prompt_tokens = await self.prompt_blocks(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         holdings = await self._match(hashes, list(by_id)) if hashes else None
         ongoing = await self._ongoing(candidate_replicas) if holdings else {}
@@ -78,6 +78,13 @@ class PrefixAwareRouter(RequestRouter):
         self.metrics.decided(decision.reason, decision.predicted_cached_tokens, time.perf_counter() - start)
         # One rank per replica, best first: if the best is full, Serve tries the next.
         return [[by_id[r]] for r in decision.ranked]
+
+    async def prompt_blocks(self, pending_request: PendingRequest | None) -> tuple[list[BlockHash], int]:
+        """The request's block hashes and prompt length: those rayapp's ingress computed and put on the request.
+
+        Routers behind another ingress override this to compute them from what that ingress sends."""
+        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        return getattr(request, "block_hashes", None) or [], len(getattr(request, "prompt_token_ids", ()))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
