@@ -15,16 +15,8 @@ import time
 from dataclasses import replace
 
 import torch
-from serve_multiturn import (
-    PAGES,
-    EngineWork,
-    LoadSummary,
-    RequestRecord,
-    TurnFn,
-    Workload,
-    run_workload,
-    warm_up_messages,
-)
+from chat_workloads import Script, Workload
+from serve_multiturn import PAGES, EngineWork, LoadSummary, RequestRecord, TurnFn, run_workload, warm_up_messages
 
 from rayapp.config import AppConfig
 from rayapp.engine.async_engine import AsyncLLMEngine
@@ -59,17 +51,17 @@ def engine_turns(engine: AsyncLLMEngine) -> TurnFn:
     return turn
 
 
-async def _warm_up_and_run(engine: AsyncLLMEngine, workload: Workload) -> LoadSummary:
+async def _warm_up_and_run(engine: AsyncLLMEngine, scripts: list[Script]) -> LoadSummary:
     turns = engine_turns(engine)
     await asyncio.gather(*(turns(m, 64, 0) for m in warm_up_messages()))
     before = await engine.stats()
-    summary = await run_workload(turns, workload, PAGES["rayapp"])
+    summary = await run_workload(turns, scripts, PAGES["rayapp"])
     return replace(summary, engine=EngineWork.between(before, await engine.stats()))
 
 
-def run_offline(app_args: dict, workload: Workload) -> LoadSummary:
-    """Run `workload` (one replica's worth) on rayapp's engine built from the app config's `args`, the cluster
-    tier off (it needs Ray)."""
+def run_offline(app_args: dict, workload: Workload, scripts: list[Script]) -> LoadSummary:
+    """Run `workload`'s conversations `scripts` (one replica's worth) on rayapp's engine built from the app
+    config's `args`, the cluster tier off (it needs Ray)."""
     if workload.replicas != 1:
         raise ValueError(f"rayapp-offline runs one engine; workload {workload.name} has {workload.replicas} replicas")
     config = AppConfig(**{**app_args, "kvtier": {"enabled": False}})
@@ -77,7 +69,7 @@ def run_offline(app_args: dict, workload: Workload) -> LoadSummary:
     torch.set_num_threads(max(1, int(config.num_cpus)))
     engine = AsyncLLMEngine.from_config(config.engine_config())
     try:
-        return asyncio.run(_warm_up_and_run(engine, workload))
+        return asyncio.run(_warm_up_and_run(engine, scripts))
     finally:
         engine.shutdown()
         torch.set_num_threads(threads)

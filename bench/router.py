@@ -37,17 +37,9 @@ import socket
 import time
 
 import ray
+from chat_workloads import SYSTEM_PROMPT, support_script
 from ray import serve
-from serve_multiturn import (
-    MODEL_NAME,
-    SYSTEM_PROMPT,
-    RequestRecord,
-    document,
-    http_turns,
-    openai_client,
-    percentile,
-    run_conversation,
-)
+from serve_multiturn import DEFAULT_MODEL, RequestRecord, http_turns, openai_client, percentile, run_conversation
 
 from rayapp.config import AppConfig
 from rayapp.deployments.builder import build
@@ -97,7 +89,8 @@ async def _load(base_url: str, args: argparse.Namespace) -> tuple[list, float]:
         per_conversation = await asyncio.gather(
             *(
                 run_conversation(
-                    http_turns(client, MODEL_NAME), c, args.turns, args.max_tokens, document(c, args.context_tokens)
+                    http_turns(client, DEFAULT_MODEL),
+                    support_script(c, args.turns, args.max_tokens, args.context_tokens),
                 )
                 for c in range(args.conversations)
             )

