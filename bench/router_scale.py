@@ -30,11 +30,14 @@ as one `BlockStored` chained on the last (with its 128 token ids, as rayapp's ev
    p50/p99 (with the idle actor's, measured first, as the floor), the actor's CPU share and RSS.
    There is no prior anchor for a KV-event index of this scale in Ray Serve LLM: the fleet figures
    are absolute, printed against the targets (all offered events absorbed, decision p99 <= 5 ms,
-   lag growth <= 1.5x).
+   lag growth <= 1.5x). `--shards S` splits the index by replica over S actors (`index_shards`): this
+   machine (2 cores here, shared with the simulators) then runs shard 0 under its share of the fleet, the
+   replicas that hash to it, as each shard on a core of its own would run.
 
     python bench/router_scale.py                                  # index at 1M + fleets of 256 and 1,000
     python bench/router_scale.py --index-blocks 10000000 --rss --skip-fleet
     python bench/router_scale.py --skip-index --replicas --period 1.0        # the actor's ceiling only
+    python bench/router_scale.py --skip-index --replicas 1000 --shards 12    # one shard of a 1,000-replica fleet
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ import ray
 
 from rayapp.blocks import AllCleared, BlockRemoved, BlockStored
 from rayapp.config import RouterConfig
-from rayapp.prefix_router.actor import prefix_index
+from rayapp.prefix_router.actor import prefix_index, shard_of
 from rayapp.prefix_router.index import PrefixIndex
 from rayapp.prefix_router.publisher import KVEventPublisher
 
@@ -282,7 +285,7 @@ class TimedIndex:
 @ray.remote(num_cpus=0)
 class Fleet:
     async def run(self, replicas: list[int], capacity: int, args: dict, start: float, ramp_s: float) -> list:
-        handle = ray.get_actor(args["index_name"], namespace="rayapp")
+        handle = args["index"]
         log: list = []
 
         async def replica(r: int) -> None:
@@ -304,14 +307,15 @@ class Fleet:
 
 @ray.remote(num_cpus=0)
 class Decisions:
-    async def run(self, index_name: str, args: dict, start: float, ramp_s: float, begin: float, until: float):
-        """Seconds per `match` of a replica's recent conversation, over every replica's name, at a steady rate."""
-        replicas, rate = args["replicas"], args["decisions"]
-        handle, names = ray.get_actor(index_name, namespace="rayapp"), [f"replica-{r:04d}" for r in range(replicas)]
+    async def run(self, args: dict, start: float, ramp_s: float, begin: float, until: float):
+        """Seconds per `match` of a replica's recent conversation, over every name of the shard's replicas (those
+        the shard answers for in a routing decision), at a steady rate."""
+        replicas, members, rate = args["replicas"], args["members"], args["decisions"]
+        handle, names = args["index"], [f"replica-{r:04d}" for r in members]
         rng, out, turns_per_s = random.Random(1), [], args["tokens_per_s"] / PAGE / TURN_BLOCKS
         await asyncio.sleep(max(0.0, begin - time.monotonic()))
         while time.monotonic() < until:
-            r = rng.randrange(replicas)
+            r = rng.choice(members)
             now = int((time.monotonic() - join_time(r, replicas, start, ramp_s)) * turns_per_s) // TURNS
             query = prompt((r << 24) + now - rng.randint(0, 3))  # its current or a recent conversation
             begin = time.perf_counter()
@@ -354,28 +358,28 @@ def ceiling(args: argparse.Namespace) -> None:
 
 def fleet(replicas: int, args: argparse.Namespace, results: list[dict]) -> None:
     name = f"scale-{replicas}"
-    config = RouterConfig(index_max_blocks=args.fleet_blocks, replica_timeout_s=60.0)
-    index = prefix_index(name, config)
-    index_name = f"rayapp-prefix-index-{name}"
+    config = RouterConfig(index_max_blocks=args.fleet_blocks, replica_timeout_s=60.0, index_shards=args.shards)
+    # With shards, this machine runs shard 0 under its share of the fleet (the replicas that hash to it); the
+    # others, each on a core of its own, see the same load, and a decision waits for the slowest of them.
+    members = [r for r in range(replicas) if shard_of(f"replica-{r:04d}", args.shards) == 0]
+    index = prefix_index(name, config, 0)
     proc = psutil.Process(ray.get(index.__ray_call__.remote(lambda _: os.getpid())))
     capacity = args.fleet_blocks // replicas
     ramp_s = max(5.0, args.fleet_blocks / 100_000)  # the joining replicas' snapshots, spread
     keys = ("tokens_per_s", "period", "duration", "settle", "decisions")
-    shared = {"index_name": index_name, "replicas": replicas, **{k: getattr(args, k) for k in keys}}
+    shared = {"index": index, "replicas": replicas, "members": members, **{k: getattr(args, k) for k in keys}}
     now = time.monotonic()
-    idle = ray.get(Decisions.remote().run.remote(index_name, shared, now, 0.0, now, now + 5))
+    idle = ray.get(Decisions.remote().run.remote(shared, now, 0.0, now, now + 5))
     rss0 = proc.memory_info().rss
     start = time.monotonic() + 2.0
     measure_from = start + ramp_s + args.settle
     until = measure_from + args.duration
     procs = [Fleet.remote() for _ in range(args.fleet_procs)]
     fleet_procs = [psutil.Process(ray.get(f.__ray_call__.remote(lambda _: os.getpid()))) for f in procs]
-    runs = [
-        f.run.remote(list(range(i, replicas, args.fleet_procs)), capacity, shared, start, ramp_s)
-        for i, f in enumerate(procs)
-    ]
-    decisions = Decisions.remote().run.remote(index_name, shared, start, ramp_s, measure_from, until)
-    print(f"  {replicas} replicas joining over {ramp_s:.0f} s, measuring {args.duration:.0f} s", flush=True)
+    runs = [f.run.remote(members[i :: args.fleet_procs], capacity, shared, start, ramp_s) for i, f in enumerate(procs)]
+    decisions = Decisions.remote().run.remote(shared, start, ramp_s, measure_from, until)
+    share = f" over {args.shards} shards, shard 0's {len(members)} run here" if args.shards > 1 else ""
+    print(f"  {replicas} replicas{share} joining over {ramp_s:.0f} s, measuring {args.duration:.0f} s", flush=True)
     time.sleep(max(0.0, measure_from - time.monotonic()))
     cpu0, fleet_cpu0, wall0 = cpu_seconds([proc]), cpu_seconds(fleet_procs), time.monotonic()
     time.sleep(max(0.0, until - time.monotonic()))
@@ -396,13 +400,14 @@ def fleet(replicas: int, args: argparse.Namespace, results: list[dict]) -> None:
     events = [e for e in steady if not e[3]]  # (acknowledged at, lag, blocks, snapshot?, applied?)
     warm_done = max((e[0] for e in log if e[3]), default=float("nan")) - start
     absorbed = sum(e[2] for e in events) / args.duration
-    offered = 2 * replicas * args.tokens_per_s / PAGE  # stored, and as many removed once caches are full
+    offered = 2 * len(members) * args.tokens_per_s / PAGE  # stored, and as many removed once caches are full
     lags = np.array([e[1] for e in events]) * 1e3
     third = len(events) // 3
     growth = pct(lags[-third:], 50) / pct(lags[:third], 50) if third else float("nan")
     resyncs = sum(1 for e in steady if e[3])  # snapshot batches acknowledged in the window
     results.append({
-        "replicas": replicas, "blocks": args.fleet_blocks, "period": args.period, "absorbed": absorbed,
+        "replicas": replicas, "shards": args.shards, "members": len(members), "blocks": args.fleet_blocks,
+        "period": args.period, "absorbed": absorbed,
         "offered": offered, "lag_p50": pct(lags, 50), "lag_p99": pct(lags, 99), "growth": growth,
         "p50": pct(latencies, 50), "p99": pct(latencies, 99), "idle_p50": pct(idle, 50) * 1e3,
         "idle_p99": pct(idle, 99) * 1e3, "late": float(np.mean(latencies > 50)), "cpu": cpu, "fleet_cpu": fleet_cpu,
@@ -421,12 +426,13 @@ def fleet(replicas: int, args: argparse.Namespace, results: list[dict]) -> None:
 
 
 def summary(results: list[dict]) -> None:
-    print("\nreplicas  blocks      period  absorbed/offered     lag p50/p99 ms  growth  decision p50/p99 ms"
-          "  actor CPU  RSS MiB   targets met")  # fmt: skip
+    print("\nreplicas  shards (here)  blocks      period  absorbed/offered     lag p50/p99 ms  growth"
+          "  decision p50/p99 ms  actor CPU  RSS MiB   targets met")  # fmt: skip
     for r in results:
         met = r["absorbed"] >= 0.95 * r["offered"] and r["p99"] <= 5 and r["growth"] <= 1.5
         print(
-            f"{r['replicas']:>8}  {r['blocks']:>10,}  {r['period']:>5}  {r['absorbed'] / r['offered']:>8.0%}"
+            f"{r['replicas']:>8}  {r['shards']:>6} ({r['members']:>4})  {r['blocks']:>10,}  {r['period']:>5}"
+            f"  {r['absorbed'] / r['offered']:>8.0%}"
             f" of {r['offered'] / 1e3:>5.0f}K  {r['lag_p50']:>6.0f} / {r['lag_p99']:>6.0f}  {r['growth']:>6.2f}"
             f"  {r['p50']:>7.2f} / {r['p99']:>7.2f}  {r['cpu']:>9.0%}  {r['rss_mib']:>7,.0f}   {'yes' if met else 'no'}"
         )
@@ -447,6 +453,9 @@ def main() -> None:
     ap.add_argument("--decisions", type=float, default=100.0, help="routing decisions a second")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds after the ramp before measuring")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds measured")
+    ap.add_argument(
+        "--shards", type=int, default=1, help="the index's shards (index_shards); shard 0 runs its share here"
+    )
     args = ap.parse_args()
     if not args.skip_index:
         index_alone(args)

@@ -14,7 +14,7 @@ Workloads (`--workloads`, default `1x 2x`; `bench/chat_workloads.py`):
 All conversations run concurrently, turns in order within a conversation; every turn streams the answer
 (temperature 0) and asks for `usage` in the last chunk.
 
-Systems (`--systems`, default all five):
+Systems (`--systems`, default all six):
   - `rayapp-vllm`: `serve run rayapp.config.yaml` with `engine: vllm` (and `replicas` of the workload), with
     `RAY_SERVE_ENABLE_HA_PROXY=1` (Serve's HAProxy ingress, as the anchor's direct streaming has; `--no-haproxy`:
     Serve's Python proxy);
@@ -26,7 +26,11 @@ Systems (`--systems`, default all five):
     in its fastest documented configuration: `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1` (`--no-direct-streaming`
     turns it off) and, at two replicas, its `PrefixCacheAffinityRouter`;
   - `anchor-kv`: the same at two replicas with its `KVAwareRouter` (fed by vLLM's KV events; the anchor venv needs
-    `pip install --no-deps ai-dynamo-runtime==1.6.1`); 2-replica workloads only.
+    `pip install --no-deps ai-dynamo-runtime==1.6.1`); 2-replica workloads only;
+  - `rayapp-ray-llm`: the anchor's own Ray Serve LLM config (vLLM, Ray's OpenAI ingress and LLMServer) served by
+    rayapp's builder (`rayapp.integrations.ray_serve_llm:build_openai_app`, the one line a Ray Serve LLM user
+    changes), so with rayapp's router fed by the replicas' KV events, run by rayapp's venv (the `ray-llm` extra);
+    without direct streaming, which routes with Ray's own router (the builder refuses it), behind Serve's HAProxy.
 
 Measured per system and workload: time to first token (p50/p90); inter-token latency p50, per request (first to
 last content chunk) / (completion tokens - 1), because Ray Serve LLM sends chunks in bursts; output tokens/s
@@ -331,14 +335,17 @@ async def _wait_ready(base_url: str, model: str, deadline: float, server: subpro
     raise TimeoutError(f"{base_url} was not ready before the phase timeout; last error: {last_error}")
 
 
-# Run by the anchor venv's python as `python -c ANCHOR_APP PORT MODEL_DIR`; it serves until SIGTERM.
+# Run as `python -c ANCHOR_APP PORT MODEL_DIR MODEL_ID REPLICAS ROUTER BUILDER` (BUILDER: Ray Serve LLM's
+# `build_openai_app` or rayapp's, whose router is its own); it serves until SIGTERM.
 ANCHOR_APP = """
-import os, signal, sys, time
+import importlib, os, signal, sys, time
 import ray
 from ray import serve
-from ray.serve.llm import LLMConfig, build_openai_app
+from ray.serve.llm import LLMConfig
 
 port, model_dir, model_id, replicas, router = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+module, _, function = sys.argv[6].partition(":")
+build_openai_app = getattr(importlib.import_module(module), function)
 env = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
 for name in ("RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING", "RAY_SERVE_ENABLE_HA_PROXY"):
     if os.environ.get(name):
@@ -350,7 +357,7 @@ ray.init(address="local", num_cpus=max(2 + 2 * replicas, os.cpu_count() or 1), i
 try:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     deployment = dict(num_replicas=replicas)
-    if replicas > 1:
+    if replicas > 1 and router:
         deployment["request_router_config"] = dict(request_router_class=router)
     config = LLMConfig(
         model_loading_config=dict(model_id=model_id, model_source=model_dir),
@@ -371,7 +378,9 @@ finally:
     ray.shutdown()
 """
 # KV page size of each system (what a turn's reusable tokens are rounded to): vLLM's CPU default, rayapp's default.
-PAGES = {"rayapp-vllm": 128, "rayapp": 16, "rayapp-offline": 16, "anchor": 128, "anchor-kv": 128}
+PAGES = {"rayapp-vllm": 128, "rayapp": 16, "rayapp-offline": 16, "anchor": 128, "anchor-kv": 128, "rayapp-ray-llm": 128}
+RAY_BUILDER = "ray.serve.llm:build_openai_app"
+RAYAPP_BUILDER = "rayapp.integrations.ray_serve_llm:build_openai_app"
 # Ray Serve LLM's request router at two replicas, per anchor system: its text prefix tree, and its router fed by
 # the engines' KV events (Dynamo's selection service; `ai-dynamo-runtime` in the anchor's venv).
 ANCHOR_ROUTERS = {
@@ -430,7 +439,17 @@ def _anchor_spec(name: str, port: int, args: argparse.Namespace, work_dir: Path,
         else {}
     )
     return ServerSpec(
-        name, [*command, str(workload.replicas), ANCHOR_ROUTERS[name]], work_dir, args.anchor_venv, port, env
+        name, [*command, str(workload.replicas), ANCHOR_ROUTERS[name], RAY_BUILDER], work_dir, args.anchor_venv,
+        port, env,
+    )  # fmt: skip
+
+
+def _ray_llm_spec(port: int, args: argparse.Namespace, work_dir: Path, workload: Workload) -> ServerSpec:
+    """The anchor's config served by rayapp's builder, in rayapp's venv."""
+    command = [str(RAYAPP_VENV / "bin/python"), "-c", ANCHOR_APP, str(port), str(args.model_dir), args.served]
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if args.haproxy else {}
+    return ServerSpec(
+        "rayapp-ray-llm", [*command, str(workload.replicas), "", RAYAPP_BUILDER], work_dir, RAYAPP_VENV, port, env
     )
 
 
@@ -691,6 +710,8 @@ def main() -> None:
                     continue
                 if system in ANCHOR_ROUTERS:
                     spec = _anchor_spec(system, args.port, args, work_dir, workload)
+                elif system == "rayapp-ray-llm":
+                    spec = _ray_llm_spec(args.port, args, work_dir, workload)
                 else:
                     spec = _rayapp_spec(system, args.port, work_dir, workload, args)
                 summaries[system] = run_phase(spec, workload, scripts[name], args, work_dir)

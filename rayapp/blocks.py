@@ -69,7 +69,8 @@ class BlockStored:
 
     `block_hashes` chain: the first block's parent is `parent_block_hash` (None for a first
     block), each next block's parent is the hash before it. `token_ids` holds the tokens of all
-    the blocks, concatenated (`len(token_ids) == len(block_hashes) * block_size`).
+    the blocks, concatenated (`len(token_ids) == len(block_hashes) * block_size`), or nothing in the events a
+    replica sends the PrefixIndex, which keys blocks by hash alone (`publisher.on_the_wire`).
     """
 
     block_hashes: tuple[BlockHash, ...]

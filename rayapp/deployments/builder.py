@@ -13,8 +13,8 @@ from rayapp.config import AppConfig
 from rayapp.deployments.engines import backend_class, pin_model
 from rayapp.deployments.ingress import OpenAIIngress
 from rayapp.deployments.replica import LLMReplica
-from rayapp.prefix_router.actor import prefix_index
 from rayapp.prefix_router.router import PrefixAwareRouter
+from rayapp.prefix_router.shards import IndexShards
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -34,7 +34,7 @@ def build(config: AppConfig, backend_cls: type | None = None, app_name: str = "r
     config = pin_model(config)
     backend_cls = backend_cls or backend_class(config)
     check_devices_fit(config)
-    prefix_index(app_name, config.router)
+    IndexShards.connect(app_name, config.router)
     router = config.router
     kwargs = {}
     if issubclass(_import(router.request_router_class), PrefixAwareRouter):

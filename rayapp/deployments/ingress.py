@@ -49,7 +49,7 @@ from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.loader import ModelInfo, model_id, resolve_model, served_name
 from rayapp.models.tokenizer import chat_token_ids, load_tokenizer
 from rayapp.observability.hub import HubClient
-from rayapp.prefix_router.actor import prefix_index
+from rayapp.prefix_router.shards import IndexShards
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class OpenAIIngress:
         self.moved_requests = 0
         self.app_name = serve.get_replica_context().app_name
         self.hub = HubClient(self.app_name)
-        self.prefix_index = prefix_index(self.app_name, self.config.router)
+        self.prefix_index = IndexShards.connect(self.app_name, self.config.router)
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -171,7 +171,7 @@ class OpenAIIngress:
         except Exception:  # the hub is being replaced: the ingress' own series answer meanwhile
             replicas, routers = {}, {}
         try:
-            index = await asyncio.wait_for(self.prefix_index.stats.remote(), timeout=1)
+            index = await asyncio.wait_for(self.prefix_index.stats(), timeout=1)
         except Exception:  # the index is restarting: its gauges are left out this time
             index = None
         http = dict(request.app.state.http_requests)

@@ -18,7 +18,7 @@ from rayapp.deployments.metrics import ReplicaMetrics
 from rayapp.engine.backend import EngineRequest, GenerateDelta
 from rayapp.observability import PUSH_PERIOD_S
 from rayapp.observability.hub import HubClient
-from rayapp.prefix_router.actor import prefix_index
+from rayapp.prefix_router.actor import prefix_index, shard_of
 from rayapp.prefix_router.publisher import KVEventPublisher
 
 logger = logging.getLogger(__name__)
@@ -46,10 +46,14 @@ class LLMReplica:
             raise
         self.metrics = ReplicaMetrics(self.replica)
         self._hub = HubClient(self.app_name)
-        self._index = prefix_index(self.app_name, self.config.router)
+        # This replica's shard of the index: the one its events go to.
+        connect = functools.partial(
+            prefix_index, self.app_name, self.config.router, shard_of(self.replica, self.config.router.index_shards)
+        )
+        self._index = connect()
         publisher = KVEventPublisher(
             self.replica,
-            functools.partial(prefix_index, self.app_name, self.config.router),
+            connect,
             self.engine.take_kv_events,
             self.engine.kv_snapshot,
             self.config.router.event_batch_period_s,

@@ -24,7 +24,7 @@ from ray.serve.llm import LLMConfig, LLMServer
 
 from rayapp.blocks import KVEvent
 from rayapp.config import RouterConfig
-from rayapp.prefix_router.actor import prefix_index
+from rayapp.prefix_router.actor import prefix_index, shard_of
 from rayapp.prefix_router.publisher import KVEventPublisher
 from rayapp.vllm_ext.kv_events import VLLMKVEvents
 
@@ -77,7 +77,8 @@ class RayappLLMServer(LLMServer):
         try:
             await super().__init__(llm_config, **kwargs)
             self._check_block_size()
-            connect = functools.partial(prefix_index, self._app_name, routing.router)
+            shard = shard_of(self._replica, routing.router.index_shards)
+            connect = functools.partial(prefix_index, self._app_name, routing.router, shard)
             self._index = await asyncio.to_thread(connect)
         except BaseException:
             self._events.close()

@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rayapp.blocks import KVEvent
+from rayapp.blocks import BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
 
 # With no events to send, a batch still goes out this often so the index knows the replica lives.
 HEARTBEAT_S = 1.0
-# A batch the index has not acknowledged by then is taken as lost.
-PUBLISH_TIMEOUT_S = 10.0
+# A batch the index has not acknowledged by then is taken as lost. The index applies a replica's batches in order
+# and Ray fails the call of an actor that died, so a late acknowledgement means a queue at the index: waiting for
+# it (the events of the meantime going out together, in one larger batch) relieves the index, where resending a
+# snapshot would add the replica's whole cache to the queue (with hundreds of replicas, a storm of them).
+PUBLISH_TIMEOUT_S = 120.0
+
+
+def on_the_wire(events: list[KVEvent]) -> list[KVEvent]:
+    """`events` as the index reads them: stored blocks without their token ids (it keys blocks by hash), which
+    would be most of a batch's bytes to pickle, send and unpickle."""
+    return [dataclasses.replace(e, token_ids=()) if isinstance(e, BlockStored) and e.token_ids else e for e in events]
 
 
 class KVEventPublisher:
@@ -73,7 +83,7 @@ class KVEventPublisher:
             self._index = await asyncio.to_thread(self._connect)
         batch = 0 if resync else self._next_batch
         for start in range(0, max(len(events), 1), self.max_events):
-            chunk = events[start : start + self.max_events]
+            chunk = on_the_wire(events[start : start + self.max_events])
             applied = await asyncio.wait_for(self._index.publish.remote(self.replica, batch, chunk), PUBLISH_TIMEOUT_S)
             batch += 1
             if not applied:

@@ -28,9 +28,9 @@ from rayapp.blocks import BlockHash
 from rayapp.config import RouterConfig
 from rayapp.observability import PUSH_PERIOD_S
 from rayapp.observability.hub import HubClient
-from rayapp.prefix_router.actor import prefix_index
 from rayapp.prefix_router.metrics import RouterMetrics
 from rayapp.prefix_router.policy import Holding, rank
+from rayapp.prefix_router.shards import IndexShards
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class PrefixAwareRouter(RequestRouter):
         self.config = RouterConfig(**router_config)
         self.metrics = RouterMetrics()
         self._rng = random.Random()
-        self._index: Any = None
+        self._index: IndexShards | None = None
         self._index_retry_at = 0.0
         self._pusher: asyncio.Task[None] | None = None
 
@@ -101,7 +101,7 @@ class PrefixAwareRouter(RequestRouter):
             return
         with contextlib.suppress(Exception):
             for replica_id in replica_ids:
-                self._index.remove_replica.remote(replica_id.unique_id)
+                self._index.remove_replica(replica_id.unique_id)
 
     async def _match(self, hashes: list[int], replicas: list[str]) -> dict[str, Holding] | None:
         """The index's answer, or None when it is down, restarting, or slower than `index_timeout_s`."""
@@ -110,9 +110,9 @@ class PrefixAwareRouter(RequestRouter):
         try:
             if self._index is None:
                 self._index = await asyncio.wait_for(
-                    asyncio.to_thread(prefix_index, self.app_name, self.config), INDEX_RETRY_S
+                    asyncio.to_thread(IndexShards.connect, self.app_name, self.config), INDEX_RETRY_S
                 )
-            return await asyncio.wait_for(self._index.match.remote(hashes, replicas), self.config.index_timeout_s)
+            return await asyncio.wait_for(self._index.match(hashes, replicas), self.config.index_timeout_s)
         except asyncio.TimeoutError:
             return None
         except Exception as error:

@@ -21,7 +21,7 @@ class FakeBackend:
 @pytest.fixture
 def replica_of(monkeypatch):
     """`replica_of(config)`: the LLMReplica deployment `build(config)` binds."""
-    monkeypatch.setattr(builder, "prefix_index", lambda app_name, router: None)
+    monkeypatch.setattr(builder.IndexShards, "connect", lambda app_name, router: None)
     monkeypatch.setattr(builder, "pin_model", lambda config: config)
 
     def replica_of(config: AppConfig):
