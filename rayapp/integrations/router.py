@@ -14,8 +14,8 @@ from typing import Any
 from ray.serve.request_router import PendingRequest
 
 from rayapp.blocks import BlockHash, hash_blocks
-from rayapp.integrations.renderer import PromptRenderer
 from rayapp.prefix_router.router import PrefixAwareRouter
+from rayapp.vllm_ext.renderer import PromptRenderer
 
 
 class ServeLLMPrefixRouter(PrefixAwareRouter):

@@ -16,7 +16,7 @@ from rayapp.integrations.ray_serve_llm import (
     parse_section,  # noqa: E402
     with_rayapp,  # noqa: E402
 )
-from rayapp.integrations.renderer import PromptRenderer  # noqa: E402
+from rayapp.vllm_ext.renderer import PromptRenderer  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 
