@@ -122,7 +122,7 @@ def needles(system: str) -> dict:
 
 
 def speed(system: str) -> dict:
-    from sparse_attention import long_model_dir
+    from long_model import long_model_dir
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -159,7 +159,8 @@ def tier(system: str) -> dict:
     from rayapp.kvtier.catalog import Catalog
     from rayapp.kvtier.embedded import start_embedded_database, stop_embedded_database
     from rayapp.models.loader import DEFAULT_MODEL, resolve_model
-    from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, kv_transfer_config
+    from rayapp.vllm_ext.connector import kv_transfer_config
+    from rayapp.vllm_ext.tier_protocol import LOADED_TOKENS_PARAM
 
     ray.init(address="local", num_cpus=4, object_store_memory=2 << 30, include_dashboard=False)
     config = KVTierConfig(enabled=True, data_dir=tempfile.mkdtemp(prefix="rayapp-device-tier-") + "/db")

@@ -36,6 +36,7 @@ import torch
 
 from rayapp import LLM, SamplingParams
 from rayapp.blocks import hash_blocks
+from rayapp.engine.request import EngineRequest
 from rayapp.kvtier.embedded import stop_embedded_database
 
 FIRST_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
@@ -50,7 +51,7 @@ def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
 
 def timed_load(llm: LLM, prompt: list[int]) -> tuple[float, float, int]:
     """Seconds of the tier fetch (catalog + object store + verify) and of the install, and blocks loaded."""
-    seq = llm.engine.prepare_request("probe", prompt_token_ids=prompt, params=FIRST_TOKEN).seq
+    seq = llm.engine.prepare_request(EngineRequest("probe", prompt, sampling=FIRST_TOKEN)).seq
     tier = llm.engine.tier
     prefix = llm.engine.block_manager.match_prefix(seq)
     ask = tier.ask(seq, prefix)
@@ -97,7 +98,8 @@ def vllm_main(args: argparse.Namespace) -> None:
     from rayapp.kvtier.catalog import Catalog
     from rayapp.kvtier.embedded import start_embedded_database
     from rayapp.models.loader import DEFAULT_MODEL, resolve_model
-    from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, kv_transfer_config
+    from rayapp.vllm_ext.connector import kv_transfer_config
+    from rayapp.vllm_ext.tier_protocol import LOADED_TOKENS_PARAM
 
     lengths = [int(n) for n in str(args.history_tokens).split(",")]
     ray.init(address="local", num_cpus=2, object_store_memory=2 << 30, include_dashboard=False)

@@ -23,6 +23,7 @@ import time
 from rayapp import LLM, SamplingParams
 from rayapp.config import LayerwiseConfig
 from rayapp.engine.llm_engine import LLMEngine
+from rayapp.engine.request import EngineRequest
 from rayapp.sparse.evaluation import natural_text, needle_case
 
 DENSE = LayerwiseConfig()
@@ -57,7 +58,7 @@ def run_quality(num_cases: int, new_tokens: int, settings: dict[str, LayerwiseCo
     needle_params = SamplingParams(temperature=0.0, max_tokens=24)
     text_params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     for name, cfg in settings.items():
-        llm.engine.use_layerwise_config(cfg)
+        llm.engine.reconfigure(layerwise=cfg)
         outs = llm.generate(prompt_token_ids=[c.prompt_token_ids for c in cases], sampling_params=needle_params)
         found[name] = sum(c.found(o.outputs[0].text) for c, o in zip(cases, outs))
         got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=natural, sampling_params=text_params)]
@@ -95,7 +96,7 @@ def agreement(tokens: list[int], reference: list[int]) -> float:
 def pages_after_prefill(engine: LLMEngine, prompt: list[int]) -> int:
     """Pool pages one sequence holds right after its prompt ran (and, compressed, was compacted)."""
     before = engine.stats()["pages_used"]
-    engine.add_request("pages", prompt_token_ids=prompt, params=SamplingParams(max_tokens=2))
+    engine.add_request(EngineRequest("pages", prompt, sampling=SamplingParams(max_tokens=2)))
     while not any(out.request_id == "pages" for out in engine.step()):
         pass
     held = engine.stats()["pages_used"] - before
@@ -114,7 +115,7 @@ def run_throughput(num_requests: int, pool_pages: int, new_tokens: int, model: s
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         t0 = time.perf_counter()
         for i, ids in enumerate(prompts):
-            engine.add_request(str(i), prompt_token_ids=ids, params=params)
+            engine.add_request(EngineRequest(str(i), ids, sampling=params))
         peak = generated = 0
         while engine.has_unfinished_requests():
             decoded = len(engine.step())

@@ -15,11 +15,13 @@ import time
 from dataclasses import replace
 
 import torch
+from chat_load import EngineWork, LoadSummary, RequestRecord, TurnFn, run_workload, warm_up_messages
+from chat_servers import PAGES
 from chat_workloads import Script, Workload
-from serve_multiturn import PAGES, EngineWork, LoadSummary, RequestRecord, TurnFn, run_workload, warm_up_messages
 
 from rayapp.config import AppConfig
-from rayapp.engine.async_engine import AsyncLLMEngine
+from rayapp.drivers.async_engine import AsyncLLMEngine
+from rayapp.engine.request import EngineRequest
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.tokenizer import chat_token_ids
 
@@ -35,7 +37,7 @@ def engine_turns(engine: AsyncLLMEngine) -> TurnFn:
         arrivals: list[float] = []
         text: list[str] = []
         completion_tokens = cached = 0
-        async for out in engine.generate(next(request_ids), params=params, prompt_token_ids=prompt):
+        async for out in engine.generate(EngineRequest(next(request_ids), prompt, sampling=params)):
             completion = out.outputs[0]
             if completion.delta_text:
                 arrivals.append(time.perf_counter())

@@ -37,9 +37,10 @@ import socket
 import time
 
 import ray
+from chat_load import RequestRecord, http_turns, openai_client, percentile, run_conversation
+from chat_servers import DEFAULT_MODEL
 from chat_workloads import SYSTEM_PROMPT, support_script
 from ray import serve
-from serve_multiturn import DEFAULT_MODEL, RequestRecord, http_turns, openai_client, percentile, run_conversation
 
 from rayapp.config import AppConfig
 from rayapp.deployments.builder import build

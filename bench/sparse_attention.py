@@ -19,12 +19,13 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import torch
+from long_model import long_model_dir
 
 from rayapp import LLM, SamplingParams
 from rayapp.config import SparseConfig
+from rayapp.engine.request import EngineRequest
 from rayapp.sparse.evaluation import SCALED_SPARSE, natural_text, needle_case
 
 # Quality runs on device (offload attends the same pages, tested).
@@ -66,7 +67,7 @@ def run_quality(
     t0 = time.perf_counter()
     for case in cases:
         for name, cfg in variants.items():
-            llm.engine.use_sparse_config(cfg or dataclasses.replace(SCALED, enabled=False))
+            llm.engine.reconfigure(sparse=cfg or dataclasses.replace(SCALED, enabled=False))
             out = llm.generate(prompt_token_ids=case.prompt_token_ids, sampling_params=needle_params)[0]
             found[name] += case.found(out.outputs[0].text)
         print(
@@ -77,7 +78,7 @@ def run_quality(
     for ids in natural:
         reference: list[int] = []
         for name, cfg in variants.items():
-            llm.engine.use_sparse_config(cfg or dataclasses.replace(SCALED, enabled=False))
+            llm.engine.reconfigure(sparse=cfg or dataclasses.replace(SCALED, enabled=False))
             got = llm.generate(prompt_token_ids=ids, sampling_params=text_params)[0].outputs[0].token_ids
             reference = reference or got
             same = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), len(reference))
@@ -91,25 +92,6 @@ def run_quality(
         ag = sum(agree[name]) / len(agree[name]) if agree[name] else float("nan")
         ratio = found[name] / found["dense"] if found["dense"] else float("nan")
         print(f"{name:<18} {found[name]:>6}/{len(cases):<5} {ratio:>9.2f} {ag:>17.2f}")
-
-
-def long_model_dir(max_len: int) -> Path:
-    """The shipped SmolLM2's weights with the position table stretched to `max_len` (RoPE extends;
-    the outputs past 8K are meaningless, the work per token is the real model's)."""
-    import json
-    import tempfile
-
-    from rayapp.models.loader import prepare_default_model
-
-    src = prepare_default_model()
-    dst = Path(tempfile.mkdtemp(prefix="rayapp-long-"))
-    for f in src.iterdir():
-        if f.name != "config.json":
-            (dst / f.name).symlink_to(f)
-    config = json.loads((src / "config.json").read_text())
-    config["max_position_embeddings"] = max_len
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 def run_speed(contexts: list[int], steps: int) -> None:
@@ -157,7 +139,8 @@ def run_speed(contexts: list[int], steps: int) -> None:
         for mode, cfg in modes.items():
             if mode != "dense" and ctx < cfg.dense_boundary:
                 continue
-            engine.use_sparse_config(cfg)
+            engine.reconfigure(sparse=cfg)
+            sparse = engine.extension("sparse")
             # A prefilled prompt of ctx - 1 tokens and one generated token to decode.
             seq = Sequence(f"bench-{ctx}-{mode}", [1] * (ctx - 1), SamplingParams(max_tokens=steps + 2))
             seq.append_token(1)
@@ -167,34 +150,34 @@ def run_speed(contexts: list[int], steps: int) -> None:
             for cache in (runner.pool.k, runner.pool.v):
                 cache[:, pages] = torch.randn(cache[:, pages].shape, generator=gen, dtype=cache.dtype)
             seq.num_computed_tokens = ctx - 1
-            if engine.sparse is not None:
-                engine.sparse.after_step([seq])  # representations, and offload in offload mode
+            if sparse is not None:
+                sparse.after_step([seq])  # representations, and offload in offload mode
             device_pages = sum(1 for p in seq.block_table if p != OFFLOADED)
             times, attn = [], []
             for step in range(steps + 1):
                 batch = ScheduledBatch(seqs=[seq], num_new_tokens=[1], num_decodes=1)
-                if engine.sparse is not None:
-                    engine.sparse.begin_step()
+                if sparse is not None:
+                    sparse.begin_step()
                 attention_time[0] = 0.0
                 t = time.perf_counter()
-                runner.run(batch)
+                runner.run(batch, engine.extensions.values())
                 if step:
                     times.append(time.perf_counter() - t)
                     attn.append(attention_time[0])
-                if engine.sparse is not None:
-                    engine.sparse.end_step()
+                if sparse is not None:
+                    sparse.end_step()
             stats = engine.stats()
             copied = stats.get("sparse_blocks_copied_last_step", 0)
-            if engine.sparse is None:
+            if sparse is None:
                 read_tokens = ctx
                 device_tokens = ctx
             else:
-                p = engine.sparse.policy
+                p = sparse.policy
                 k = p.num_selected(p.num_middle_blocks(ctx))
                 read_tokens = ctx - (p.num_middle_blocks(ctx) - k) * p.config.retrieval_block_size
                 device_tokens = device_pages * 16
                 if mode == "offload":
-                    device_tokens += runner.num_cache_blocks * p.config.retrieval_block_size
+                    device_tokens += sparse.num_cache_blocks * p.config.retrieval_block_size
             step_ms, attn_ms = 1e3 * _median(times), 1e3 * _median(attn)
             read_mb, dev_mb = read_tokens * token_bytes / 2**20, device_tokens * token_bytes / 2**20
             if mode == "dense":
@@ -205,8 +188,8 @@ def run_speed(contexts: list[int], steps: int) -> None:
                 f"{dev_mb:>12.1f} {dev_mb / dense_ref['dev']:>9.2f} {copied:>7}"
             )
             engine.block_manager.free(seq)
-            if engine.sparse is not None:
-                engine.sparse.drop(seq)
+            if sparse is not None:
+                sparse.drop(seq)
     PagedAttention.__call__ = original
 
 
@@ -251,7 +234,7 @@ def run_resume(context: int, steps: int) -> None:
             engine = llm.engine
             page_mb = engine.runner.page_bytes / 2**20
             params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
-            request = engine.prepare_request(f"resume-{mode}", prompt_token_ids=tokens, params=params)
+            request = engine.prepare_request(EngineRequest(f"resume-{mode}", tokens, sampling=params))
             t0 = time.perf_counter()
             engine.tier.load_now(request.seq)
             peak = engine.stats()["pages_cached"]  # the loaded history, before admission
@@ -265,7 +248,7 @@ def run_resume(context: int, steps: int) -> None:
             stats = before  # the last decode step's: the request ended with it
             device = stats["pages_used"]
             if sparse is not None:  # the device block cache this sequence selects into (k blocks, every layer)
-                p = engine.sparse.policy
+                p = engine.extension("sparse").policy
                 device += p.num_selected(p.num_middle_blocks(context)) * p.pages_per_block
             mb = device * page_mb
             dense_mb = dense_mb or mb

@@ -42,7 +42,7 @@ def needle_cases(num_cases: int):
 def speed_worker(system: str, contexts: list[int], steps: int) -> dict:
     """In a fresh process: decode step and attention time per context, for `system` (stock | plugin)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process, so its attention is timed
-    from sparse_attention import long_model_dir
+    from long_model import long_model_dir
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl

@@ -11,7 +11,7 @@ from typing import Any
 
 _EXPORTS = {
     "LLM": "rayapp.llm",
-    "AsyncLLMEngine": "rayapp.engine.async_engine",
+    "AsyncLLMEngine": "rayapp.drivers.async_engine",
     "LLMEngine": "rayapp.engine.llm_engine",
     "CompletionOutput": "rayapp.engine.outputs",
     "RequestOutput": "rayapp.engine.outputs",

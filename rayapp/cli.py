@@ -11,7 +11,8 @@ import sys
 import uuid
 
 from rayapp.config import KVTierConfig
-from rayapp.engine.async_engine import AsyncLLMEngine
+from rayapp.drivers.async_engine import AsyncLLMEngine
+from rayapp.engine.request import EngineRequest
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.kernels.cpu import detect, plan_for
 from rayapp.models.gguf import SHIPPED
@@ -31,9 +32,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
 
 
-async def _stream(engine: AsyncLLMEngine, params: SamplingParams, **request: object) -> str:
+async def _stream(engine: AsyncLLMEngine, request: EngineRequest) -> str:
     text = ""
-    async for out in engine.generate(uuid.uuid4().hex, params=params, **request):
+    async for out in engine.generate(request):
         delta = out.outputs[0].delta_text
         text += delta
         print(delta, end="", flush=True)
@@ -51,7 +52,7 @@ async def _chat(engine: AsyncLLMEngine, params: SamplingParams) -> None:
             return
         messages.append({"role": "user", "content": line})
         ids = chat_token_ids(engine.engine.tokenizer, messages)
-        reply = await _stream(engine, params, prompt_token_ids=ids)
+        reply = await _stream(engine, EngineRequest(uuid.uuid4().hex, ids, sampling=params))
         messages.append({"role": "assistant", "content": reply})
 
 
@@ -106,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             asyncio.run(_chat(engine, params))
         elif args.raw:
-            asyncio.run(_stream(engine, params, prompt=args.prompt))
+            asyncio.run(_stream(engine, engine.engine.request(uuid.uuid4().hex, args.prompt, params)))
         else:
             ids = chat_token_ids(engine.engine.tokenizer, [{"role": "user", "content": args.prompt}])
-            asyncio.run(_stream(engine, params, prompt_token_ids=ids))
+            asyncio.run(_stream(engine, EngineRequest(uuid.uuid4().hex, ids, sampling=params)))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

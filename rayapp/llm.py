@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import CompletionOutput, RequestOutput
+from rayapp.engine.request import EngineRequest
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.kvtier import log_unavailable
 from rayapp.models.tokenizer import Message, chat_token_ids
@@ -59,12 +60,12 @@ class LLM:
             raise ValueError("give prompts or prompt_token_ids, not both")
         if prompts is not None:
             texts = [prompts] if isinstance(prompts, str) else list(prompts)
-            return self._run([{"prompt": p} for p in texts], sampling_params)
+            return self._run([self.engine.request("", p) for p in texts], sampling_params)
         if prompt_token_ids is None:
             raise ValueError("give prompts or prompt_token_ids")
         ids = list(prompt_token_ids)
         batch = [ids] if ids and isinstance(ids[0], int) else ids
-        return self._run([{"prompt_token_ids": list(p)} for p in batch], sampling_params)
+        return self._run([EngineRequest("", list(p)) for p in batch], sampling_params)
 
     def chat(
         self,
@@ -74,7 +75,7 @@ class LLM:
         """Answer one conversation or a list of them, rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        return self._run([{"prompt_token_ids": chat_token_ids(tok, c)} for c in conversations], sampling_params)
+        return self._run([EngineRequest("", chat_token_ids(tok, c)) for c in conversations], sampling_params)
 
     def stats(self) -> dict[str, int]:
         """Counters since start (prompt, cached prompt and generated tokens) and the page pool now;
@@ -83,7 +84,8 @@ class LLM:
         device block cache hits and misses, blocks copied in the last step, host pages held)."""
         return self.engine.stats()
 
-    def _run(self, inputs: list[dict[str, Any]], sampling_params: Any) -> list[RequestOutput]:
+    def _run(self, inputs: list[EngineRequest], sampling_params: Any) -> list[RequestOutput]:
+        """Generate for `inputs` (their ids and sampling replaced here), in order."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(inputs)
         else:
@@ -92,7 +94,8 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling_params for {len(inputs)} prompts")
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
         requests = [
-            self.engine.prepare_request(f"offline-{next(self._ids)}", params=p, **x) for x, p in zip(inputs, params)
+            self.engine.prepare_request(dataclasses.replace(x, request_id=f"offline-{next(self._ids)}", sampling=p))
+            for x, p in zip(inputs, params)
         ]
         for request in requests:
             self.engine.enqueue(request)

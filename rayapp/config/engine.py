@@ -123,7 +123,7 @@ class SparseConfig:
     dense_layers: tuple[int, ...] = ()
     # Retrieval blocks per layer (and KV head) in the device block cache that serves offloaded sequences;
     # None: as many as the offloaded sequences that fit on the device at once select in one step
-    # (`ModelRunner.cache_blocks_needed`).
+    # (`RetrievalPolicy.device_cache_blocks`).
     device_cache_blocks: int | None = None
     # Most host memory the offload pool may grow to (it grows on demand, pinned where supported).
     host_pool_memory_gb: float = 8.0

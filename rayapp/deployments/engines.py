@@ -1,4 +1,4 @@
-"""The replica's engine backends (`rayapp.engine.backend.EngineBackend`): rayapp's engine, or vLLM.
+"""The replica's engine backends (`rayapp.drivers.backend.EngineBackend`): rayapp's engine, or vLLM.
 
 `backend_class(config)` picks one by `config.engine`. vLLM is imported only when it is asked
 for, so rayapp installs and serves without it.
@@ -12,9 +12,10 @@ from typing import Any
 
 from rayapp.blocks import KVEvent
 from rayapp.config import AppConfig
-from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta
-from rayapp.engine.engine_process import EngineProcess
+from rayapp.drivers.backend import EngineDeadError, GenerateDelta
+from rayapp.drivers.process import EngineProcess
 from rayapp.engine.llm_engine import LLMEngine
+from rayapp.engine.request import EngineRequest
 from rayapp.kvtier import join_ray, log_unavailable
 from rayapp.models.loader import ModelSpec, pin_revision, resolve_model
 from rayapp.models.tokenizer import load_tokenizer

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from rayapp.blocks import BlockHash
 from rayapp.deployments.protocol import APIError
-from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
-from rayapp.engine.request import LimitError
+from rayapp.drivers.backend import EngineDeadError, GenerateDelta, UsageTally
+from rayapp.engine.request import EngineRequest, LimitError
 
 # A request whose replica dies is moved to another replica at most this many times.
 MAX_REPLICA_FAILURES = 3
@@ -25,6 +28,18 @@ class Answer:
     delivered_chars: int = 0
     finished: bool = False
 
+
+@dataclasses.dataclass
+class InFlight:
+    """The ingress' count of admitted requests (each holds a slot until its `Generation` is released) and of
+    requests moved off a failed replica."""
+
+    requests: int = 0
+    moved: int = 0
+
+
+# A prompt's block hashes for a tenant's salt, as the replicas hash them (`rayapp.blocks.hash_blocks`).
+Hasher = Callable[[list[int], str], list[BlockHash]]
 
 # Marks the end of one replica stream in `Generation`'s queue.
 _END = object()
@@ -40,8 +55,9 @@ class Generation:
     its own into one queue, so the answers of moved streams interleave as they come.
     """
 
-    def __init__(self, ingress: Any, request: EngineRequest) -> None:
-        self.ingress, self.request = ingress, request
+    def __init__(self, replica: Any, request: EngineRequest, hasher: Hasher, inflight: InFlight) -> None:
+        """`replica`: the replicas' deployment handle; `hasher`: how a moved answer's longer prompt is hashed."""
+        self.replica, self.request, self.hasher, self.inflight = replica, request, hasher, inflight
         self.answers = [Answer() for _ in range(request.sampling.n)]
         self.failures = 0
         self.released = False
@@ -51,12 +67,12 @@ class Generation:
         self._streams: list[Any] = []
         self._readers: list[asyncio.Task] = []
         self._done = False
-        ingress.inflight += 1
+        inflight.requests += 1
         self._open(request, tuple(range(request.sampling.n)))
 
     def _open(self, request: EngineRequest, answers: tuple[int, ...]) -> None:
         """Stream `request` from a replica; its answer i is this request's answer `answers[i]`."""
-        stream = self.ingress.replica.options(stream=True).generate.remote(request)
+        stream = self.replica.options(stream=True).generate.remote(request)
         self._streams.append(stream)
         self._readers.append(asyncio.get_running_loop().create_task(self._read(stream, answers)))
 
@@ -111,10 +127,10 @@ class Generation:
 
     def _last(self, item: GenerateDelta) -> GenerateDelta:
         self._done = True
-        prompt_tokens = len(self.request.prompt_token_ids)
-        generated = sum(len(a.generated) for a in self.answers)
-        cached = min(self.cached_tokens or 0, prompt_tokens)
-        return dataclasses.replace(item, usage=Usage(prompt_tokens, generated, cached))
+        tally = UsageTally(len(self.request.prompt_token_ids))
+        for answer in self.answers:
+            tally.add(answer.generated)
+        return dataclasses.replace(item, usage=tally.usage(self.cached_tokens or 0))
 
     def _move(self, answers: tuple[int, ...]) -> None:
         """Continue the unfinished `answers` on another replica (each request at most MAX_REPLICA_FAILURES
@@ -122,7 +138,7 @@ class Generation:
         self.failures += 1
         if self.failures > MAX_REPLICA_FAILURES:
             raise RuntimeError(f"the request failed on {self.failures} replicas")
-        self.ingress.moved_requests += 1
+        self.inflight.moved += 1
         for i in answers:
             if not self.answers[i].finished:
                 self._open(self._continuation(i), (i,))
@@ -136,16 +152,21 @@ class Generation:
         if sampling.max_tokens is not None:
             sampling = dataclasses.replace(sampling, max_tokens=max(1, sampling.max_tokens - done))
         ids = self.request.prompt_token_ids + answer.generated
-        request = self.ingress.generate_request(ids, self.request.cache_salt, sampling, self.request.prompt)
         return dataclasses.replace(
-            request, delivered_tokens=len(answer.generated), delivered_chars=answer.delivered_chars
+            self.request,
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            block_hashes=self.hasher(ids, self.request.cache_salt),
+            sampling=sampling,
+            delivered_tokens=len(answer.generated),
+            delivered_chars=answer.delivered_chars,
         )
 
     def release(self, cancel: bool) -> None:
         if self.released:
             return
         self.released = True
-        self.ingress.inflight -= 1
+        self.inflight.requests -= 1
         if cancel:
             for reader, stream in zip(self._readers, self._streams):
                 reader.cancel()

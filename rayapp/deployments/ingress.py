@@ -26,9 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from rayapp.blocks import hash_blocks
+from rayapp.blocks import BlockHash, hash_blocks
 from rayapp.config import AppConfig
-from rayapp.deployments.generation import Generation
+from rayapp.deployments.generation import Generation, InFlight
 from rayapp.deployments.metrics import render_prometheus
 from rayapp.deployments.protocol import (
     APIError,
@@ -43,9 +43,8 @@ from rayapp.deployments.protocol import (
 from rayapp.deployments.readiness import not_ready
 from rayapp.deployments.responses import LogprobsFormat, event, full_response, stream_chunk, usage_body
 from rayapp.deployments.tools import ToolAnswer, template_problem
-from rayapp.engine.backend import EngineRequest, GenerateDelta
-from rayapp.engine.request import LimitError, RequestLimits
-from rayapp.engine.sampling_params import SamplingParams
+from rayapp.drivers.backend import GenerateDelta
+from rayapp.engine.request import EngineRequest, LimitError, RequestLimits
 from rayapp.models.loader import ModelInfo, model_id, resolve_model, served_name
 from rayapp.models.tokenizer import chat_token_ids, load_tokenizer
 from rayapp.observability.hub import HubClient
@@ -142,9 +141,7 @@ class OpenAIIngress:
         self.block_size = self.config.kv_block_size()
         self.limits = RequestLimits(self.max_model_len, info.vocab_size, None, self.block_size)
         self.replica = replica
-        self.inflight = 0
-        # Requests moved to another replica because theirs died.
-        self.moved_requests = 0
+        self.inflight = InFlight()
         self.app_name = serve.get_replica_context().app_name
         self.hub = HubClient(self.app_name)
         self.prefix_index = IndexShards.connect(self.app_name, self.config.router)
@@ -175,7 +172,7 @@ class OpenAIIngress:
         except Exception:  # the index is restarting: its gauges are left out this time
             index = None
         http = dict(request.app.state.http_requests)
-        body = render_prometheus(replicas, routers, index, http, self.inflight, self.moved_requests)
+        body = render_prometheus(replicas, routers, index, http, self.inflight.requests, self.inflight.moved)
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -275,7 +272,7 @@ class OpenAIIngress:
             sampling = body.sampling(body.requested_max_tokens)
         except ValueError as error:
             raise APIError(400, str(error)) from None
-        if self.inflight >= self.config.max_queued_requests:
+        if self.inflight.requests >= self.config.max_queued_requests:
             raise APIError(
                 429,
                 f"the server is at its limit of {self.config.max_queued_requests} requests in flight; retry later",
@@ -286,7 +283,8 @@ class OpenAIIngress:
         # The tenant salts the hashes: different API keys (or users, without keys) never share pages.
         owner = tenant or body.user or ""
         salt = hashlib.sha256(owner.encode()).hexdigest()[:16] if owner else ""
-        generation = Generation(self, self.generate_request(ids, salt, sampling, prompt))
+        request = EngineRequest(uuid.uuid4().hex, ids, self.hash_blocks(ids, salt), salt, sampling, prompt)
+        generation = Generation(self.replica, request, self.hash_blocks, self.inflight)
         try:
             first = await generation.next()
         except BaseException:
@@ -314,18 +312,9 @@ class OpenAIIngress:
         answers = _tool_answers(body)
         return JSONResponse(full_response(items, kind, response_id, self.served_name, logprobs, answers))
 
-    def generate_request(
-        self, ids: list[int], salt: str, sampling: SamplingParams, prompt: str | list[Any]
-    ) -> EngineRequest:
-        """What a replica is sent, with the prompt's block hashes computed as the replicas compute them."""
-        return EngineRequest(
-            request_id=uuid.uuid4().hex,
-            prompt_token_ids=ids,
-            block_hashes=hash_blocks(ids, self.block_size, (self.model_id, salt)),
-            cache_salt=salt,
-            sampling=sampling,
-            prompt=prompt,
-        )
+    def hash_blocks(self, ids: list[int], salt: str) -> list[BlockHash]:
+        """The prompt's block hashes for a tenant's salt, computed as the replicas compute them."""
+        return hash_blocks(ids, self.block_size, (self.model_id, salt))
 
     async def _sse(
         self, generation: Generation, first: GenerateDelta, body: Any, kind: str, response_id: str

@@ -15,7 +15,8 @@ from ray import serve
 from rayapp.config import AppConfig
 from rayapp.deployments.engines import backend_class
 from rayapp.deployments.metrics import ReplicaMetrics
-from rayapp.engine.backend import EngineRequest, GenerateDelta
+from rayapp.drivers.backend import GenerateDelta
+from rayapp.engine.request import EngineRequest
 from rayapp.observability import PUSH_PERIOD_S
 from rayapp.observability.hub import HubClient
 from rayapp.prefix_router.actor import prefix_index, shard_of

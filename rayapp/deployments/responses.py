@@ -10,7 +10,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rayapp.deployments.tools import ToolAnswer
-from rayapp.engine.backend import GenerateDelta, Usage
+from rayapp.drivers.backend import GenerateDelta, Usage
 from rayapp.engine.outputs import TokenLogprob
 
 # JSON has no -inf: a token the model rules out is sent with this logprob, as vLLM's server does.

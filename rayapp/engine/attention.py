@@ -1,16 +1,18 @@
-"""Attention in rayapp's engine: what each of a step's rows attends to (`AttentionMetadata`, with the sparse
-and layer-wise plans of the rows they take) and the model's attention callable (`PagedAttention`).
+"""Attention in rayapp's engine: what each of a step's rows attends to (`AttentionMetadata`) and the model's
+attention callable (`PagedAttention`).
 
-Prefill rows attend densely, over the shared page table (a resumed offloaded history's middle read from the
-host pool); sparse retrieval may keep their queries to score blocks, and layer-wise compression their
-log-sum-exp. Each decode row attends one way: densely over the shared table, sparsely (init pages, its
-selected middle blocks, the window), or over its own per-layer tables once layer-wise compression compacted it.
+The core attends densely: prefill rows over the shared page table, decode rows over theirs. A KV extension
+(`rayapp.engine.extension`) changes that for the rows it plans: it may take decode rows into a `DecodeGroup`
+of its own (sparse retrieval's selected blocks, layer-wise compression's per-layer tables), and hook each
+layer of the step (`StepHooks`): store the new K/V itself, read the prefill queries or give host pages for
+them to attend, read the prefill's output.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -18,42 +20,61 @@ from torch import Tensor
 from rayapp.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
 
 if TYPE_CHECKING:
-    from rayapp.engine.layerwise_kv import LayerwiseKV, LayerwisePlan
-    from rayapp.engine.sparse_kv import SparseKV
+    from rayapp.engine.sequence import Sequence
+
+# Host-resident pages a prefill row attends to: row -> (first page, k, v), k and v [pages, bs, Hkv, D].
+HostPages = dict[int, tuple[int, Tensor, Tensor]]
+# How a group of decode rows attends at one layer: (layer, q [rows, Hq, D], k_cache, v_cache) -> [rows, Hq, D].
+DecodeRows = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+class StepHooks(Protocol):
+    """What an extension's plan does inside each layer of one step (`PagedAttention` calls them in order)."""
+
+    def store(self, layer: int, k: Tensor, v: Tensor) -> bool:
+        """Store the step's new K/V of `layer` itself (True), or leave it to the slot mapping (False)."""
+        ...
+
+    def prefill_queries(self, layer: int, q: Tensor) -> HostPages | None:
+        """See the step's prefill queries (q: [T, Hq, D]) before they attend; return the host pages some prefill
+        rows attend to, if any."""
+        ...
+
+    def after_prefill(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor) -> None:
+        """See the prefill's output (out: [T, Hq, D]); rows it computes again its own way it writes back."""
+        ...
+
+
+class StepPlanner(Protocol):
+    """What the model runner asks of each extension while it prepares a step (`KVExtension.plan`)."""
+
+    def plan(self, step: StepInputs, decode_rows: list[int]) -> StepPlan | None:
+        """This step's plan, taking some of `decode_rows` (indices among the step's decode rows that no planner
+        before took); None: nothing to do in this step."""
+        ...
 
 
 @dataclass
-class DecodePlan:
-    """One step's sparse decode work. Indices refer to the step's decode rows."""
+class StepInputs:
+    """One step as the model runner laid it out, for the extensions' plans. Decode rows come first."""
 
-    dense_idx: Tensor  # [Bd] decode rows attending densely
-    dense_table: Tensor  # [Bd, w] their page tables (only as wide as they need)
-    dense_ctx: Tensor  # [Bd]
-    sparse_idx: Tensor  # [Bs] decode rows attending sparsely
-    rows: Tensor  # [Bs] store rows
-    num_middle: Tensor  # [Bs]
-    num_selected: Tensor  # [Bs]
-    fixed_pages: Tensor  # [Bs, nf] init + window pages
-    fixed_lens: Tensor  # [Bs, nf] valid tokens per fixed page (0: padding)
-    middle_pages: Tensor  # [Bs, N, ppb] device pages of each middle block (sparse mode rows)
-    full_table: Tensor  # [Bs, w] whole page table (dense layers of sparse-mode rows)
-    full_ctx: Tensor  # [Bs]
-    offload: Tensor  # [Bs] bool
-    reselect: Tensor | None  # [Bs] bool rows due for a new selection; None: all
-    query_slots: Tensor  # [Bs] where this step's query goes in the recent-query ring
-    # Host-side copies of what each layer branches on, so no layer waits on a device sync.
-    max_selected: int = 0
-    any_offload: bool = False
-    any_reselect: bool = True
+    seqs: list[Sequence]
+    num_decodes: int
+    starts: list[int]  # each sequence's computed tokens before the step
+    num_new: list[int]  # the tokens it computes in the step
+    tables: Tensor  # [B, w] page tables, padded with the null page
+    slot_mapping: Tensor  # [T] page * block_size + offset of every new token
+    scale: float
 
 
 @dataclass
-class QueryCapture:
-    """Prefill rows whose queries (the prompt's last `scoring_queries` tokens) are kept for scoring."""
+class StepPlan:
+    """What one extension does in a step."""
 
-    src: Tensor  # [M] rows of the step's prefill queries
-    rows: Tensor  # [M] store rows
-    slots: Tensor  # [M] ring slots
+    hooks: StepHooks | None = None
+    # Groups of decode rows (indices among the step's decode rows) attending the extension's way, and those rows.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    taken: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -67,10 +88,8 @@ class AttentionMetadata:
     prefill_context_lens: Tensor  # [Bp]
     # The decode rows, each in exactly one group: how they attend.
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    sparse_capture: QueryCapture | None = None  # prefill queries kept to score retrieval blocks
-    # Prefill rows whose middle is in the sparse host pool: row -> (first page, host block ids).
-    prefill_host: dict[int, tuple[int, Tensor]] | None = None
-    layerwise: LayerwisePlan | None = None  # set when rows are compacted or prefill rows score their prompt
+    # The extensions' hooks for this step, in the order the extensions were built.
+    hooks: list[StepHooks] = field(default_factory=list)
 
 
 class DenseDecode:
@@ -83,74 +102,38 @@ class DenseDecode:
         return paged_decode_attention(q, k_cache, v_cache, self.table, self.context_lens, self.scale)
 
 
-class SparseDecode:
-    """Decode rows in a sparse retrieval mode: init pages, their selected middle blocks, the window."""
-
-    def __init__(self, sparse: SparseKV, plan: DecodePlan, scale: float) -> None:
-        self.sparse, self.plan, self.scale = sparse, plan, scale
-
-    def __call__(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        return self.sparse.attend(layer, q, k_cache, v_cache, self.plan, self.scale)
-
-
-class CompactedDecode:
-    """Decode rows of sequences layer-wise compression compacted: each layer over its own slot table."""
-
-    def __init__(self, layerwise: LayerwiseKV, plan: LayerwisePlan, scale: float) -> None:
-        self.layerwise, self.plan, self.scale = layerwise, plan, scale
-
-    def __call__(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        return self.layerwise.attend(layer, q, self.plan, self.scale)
-
-
 @dataclass
 class DecodeGroup:
     """Decode rows that attend one way (`attend(layer, q, k_cache, v_cache)`, q: [rows, Hq, D])."""
 
     rows: Tensor | None  # their indices among the step's decode rows; None: all of them
-    attend: DenseDecode | SparseDecode | CompactedDecode
+    attend: DecodeRows
 
 
 class PagedAttention:
     """The model's attention callable for one step: store K/V into the pages, then attend."""
 
-    def __init__(
-        self,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sparse: SparseKV | None = None,
-        layerwise: LayerwiseKV | None = None,
-    ) -> None:
+    def __init__(self, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> None:
         self.k_cache, self.v_cache, self.meta, self.scale = k_cache, v_cache, meta, scale
-        self.sparse, self.layerwise = sparse, layerwise
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        m, lw = self.meta, self.meta.layerwise
+        m = self.meta
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        if lw is not None and lw.slots is not None:
-            assert self.layerwise is not None
-            self.layerwise.store(layer, k, v, lw)  # compacted rows write to their own slots
-        else:
+        if not any(hooks.store(layer, k, v) for hooks in m.hooks):
             store_kv(k, v, kc, vc, m.slot_mapping)
         nd = m.num_decode_tokens
-        if m.sparse_capture is not None:
-            assert self.sparse is not None
-            self.sparse.capture(layer, q[nd:], m.sparse_capture)
         if nd == q.shape[0]:
             return self._decode(layer, q, kc, vc)
-        host = None
-        if m.prefill_host is not None:
-            assert self.sparse is not None
-            host = self.sparse.resume.host_pages_kv(layer, m.prefill_host)
+        host: HostPages | None = None
+        for hooks in m.hooks:
+            host = hooks.prefill_queries(layer, q[nd:]) or host
         prefill = paged_prefill_attention(
             q[nd:], kc, vc, m.prefill_page_table, m.prefill_query_start_loc, m.prefill_context_lens, self.scale,
             host_pages=host,
         )  # fmt: skip
-        if lw is not None and lw.capture is not None and self.layerwise is not None and layer >= self.layerwise.Lf:
-            self.layerwise.capture(layer, q[nd:], kc, vc, prefill, lw.capture, self.scale)
+        for hooks in m.hooks:
+            hooks.after_prefill(layer, q[nd:], kc, vc, prefill)
         if nd == 0:
             return prefill
         return torch.cat([self._decode(layer, q[:nd], kc, vc), prefill])

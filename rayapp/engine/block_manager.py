@@ -16,6 +16,7 @@ from collections.abc import Callable
 from itertools import chain
 
 from rayapp.blocks import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent, hash_blocks
+from rayapp.engine import pages
 from rayapp.engine.pages import NULL_PAGE, OFFLOADED, ForkResult, FreeBlockQueue, Page, PageCopy, PageInfo, PrefixMatch
 from rayapp.engine.sequence import Sequence
 
@@ -70,8 +71,9 @@ class BlockManager:
         """Pages referenced by at least one sequence."""
         return self.num_pages - len(self._free)
 
-    def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        """Longest run of cached pages holding `seq`'s leading full blocks; changes no page.
+    def match_prefix(self, seq: Sequence, start: PrefixMatch | None = None) -> PrefixMatch:
+        """Longest run of cached pages holding `seq`'s leading full blocks; changes no page. With `start` (a match
+        of `seq` in this step, which blocks adopted since may continue), the run continues it.
 
         At most `seq.num_tokens - seq.min_recompute_tokens` tokens match (at least the last one must be
         computed to get logits). A hit
@@ -82,8 +84,8 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table:
             return PrefixMatch()
         hashes = self._hash_full_blocks(seq)
-        page_ids: list[int] = []
-        for i in range((seq.num_tokens - max(1, seq.min_recompute_tokens)) // self.block_size):
+        page_ids = [] if start is None else list(start.page_ids)
+        for i in range(len(page_ids), (seq.num_tokens - max(1, seq.min_recompute_tokens)) // self.block_size):
             if i in seq.host_pages:
                 page_ids.append(OFFLOADED)
                 continue
@@ -137,20 +139,15 @@ class BlockManager:
         """Grow `seq.block_table` to cover `num_computed_tokens + num_new_tokens` tokens.
 
         With `prefix` (fresh admission: `seq` holds no pages) the matched pages come first and
-        `seq.num_computed_tokens = seq.num_cached_tokens = prefix.num_tokens`. All or nothing:
-        returns False and changes nothing when too few pages are free (pages this call revives
-        from the prefix do not count as free). Reusing a cached free page evicts its block.
-        """
+        `seq.num_computed_tokens = seq.num_cached_tokens = prefix.num_tokens`. All or nothing: returns False
+        and changes nothing when too few pages are free (`_pages_needed`). Reusing a cached free page evicts its
+        block."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens={num_new_tokens} must be >= 0")
-        if prefix is None:
-            num_computed, num_have, num_reviving = seq.num_computed_tokens, len(seq.block_table), 0
-        else:
+        if prefix is not None:
             self._check_prefix(seq, prefix)
-            num_computed, num_have = prefix.num_tokens, len(prefix.page_ids)
-            num_reviving = sum(1 for pid in prefix.page_ids if pid != OFFLOADED and self._pages[pid].ref_count == 0)
-        num_needed = max(0, -(-(num_computed + num_new_tokens) // self.block_size) - num_have)
-        if num_needed > len(self._free) - num_reviving:
+        num_needed = self._pages_needed(seq, num_new_tokens, prefix)
+        if num_needed is None:
             return False
         if prefix is not None:
             for pid in prefix.page_ids:
@@ -161,6 +158,20 @@ class BlockManager:
             self._num_handled_blocks[seq.seq_id] = len(prefix.page_ids)
         seq.block_table.extend(self._pop_free_pages(num_needed))
         return True
+
+    def fits(self, seq: Sequence, prefix: PrefixMatch) -> bool:
+        """Whether all of `seq` fits in the pool now from `prefix` on (checked before adopting outside blocks)."""
+        return self._pages_needed(seq, seq.num_tokens - prefix.num_tokens, prefix) is not None
+
+    def _pages_needed(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None) -> int | None:
+        """Free pages `allocate` takes, None when too few are free (pages `prefix` revives do not count)."""
+        if prefix is None:
+            num_computed, num_have, num_reviving = seq.num_computed_tokens, len(seq.block_table), 0
+        else:
+            num_computed, num_have = prefix.num_tokens, len(prefix.page_ids)
+            num_reviving = sum(1 for pid in prefix.page_ids if pid != OFFLOADED and self._pages[pid].ref_count == 0)
+        num_needed = max(0, -(-(num_computed + num_new_tokens) // self.block_size) - num_have)
+        return None if num_needed > len(self._free) - num_reviving else num_needed
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> ForkResult:
         """Give `child` (no pages yet, same first tokens and salt) the KV of `parent`'s first `num_tokens`
@@ -245,19 +256,7 @@ class BlockManager:
 
     def snapshot(self) -> list[BlockStored]:
         """One `BlockStored` per cached block, parents first: what an event consumer that saw a gap rebuilds from."""
-        ordered: list[BlockStored] = []
-        seen: set[BlockHash] = set()
-        for block_hash in self._cached:
-            chain: list[BlockHash] = []
-            h: BlockHash | None = block_hash
-            while h is not None and h in self._cached and h not in seen:  # up to an emitted or uncached parent
-                seen.add(h)
-                chain.append(h)
-                h = self._cached[h].parent_hash
-            for h in reversed(chain):
-                page = self._cached[h]
-                ordered.append(BlockStored((h,), page.parent_hash, page.token_ids or (), self.block_size))
-        return ordered
+        return pages.cached_chains(self._cached, self.block_size)
 
     def page_info(self, page_id: int) -> PageInfo:
         """Ref count and cached block (if any) of page `page_id`."""
@@ -300,8 +299,7 @@ class BlockManager:
         return page.parent_hash == parent and page.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs])
 
     def _check_prefix(self, seq: Sequence, prefix: PrefixMatch) -> None:
-        # A stale match (pages reused since `match_prefix`) is a scheduler bug: fail loudly rather
-        # than hand the sequence someone else's KV.
+        # A stale match (pages reused since `match_prefix`) is a scheduler bug: fail loudly, serve no other's KV.
         if seq.block_table:
             raise RuntimeError(f"allocate with a prefix is for admission, but {seq.seq_id} already holds pages")
         stale = prefix.num_tokens != len(prefix.page_ids) * self.block_size or any(

@@ -6,21 +6,18 @@ import dataclasses
 from typing import Any
 
 from rayapp.blocks import AllCleared, BlockHash, KVEvent
-from rayapp.config import EngineConfig, LayerwiseConfig, SparseConfig
+from rayapp.config import EngineConfig
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.detokenizer import IncrementalDetokenizer
-from rayapp.engine.extension import build_extensions
-from rayapp.engine.layerwise_kv import LayerwiseKV
+from rayapp.engine.extension import KVConnector, KVExtension, build_extensions, extension_classes
 from rayapp.engine.model_runner import ModelRunner
 from rayapp.engine.outputs import RequestOutput, TokenLogprob
-from rayapp.engine.request import Request, RequestGroup, RequestLimits
+from rayapp.engine.request import EngineRequest, Request, RequestGroup, RequestLimits
 from rayapp.engine.sampler import make_generator
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.engine.scheduler import Scheduler
 from rayapp.engine.sequence import Sequence
-from rayapp.engine.sparse_kv import SparseKV
 from rayapp.engine.structured import Grammars, accept
-from rayapp.engine.tier_connector import TierConnector, TierPort
 from rayapp.models.loader import ModelSpec, model_id, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 from rayapp.observability import Metric, counters, gauges
@@ -63,79 +60,66 @@ class LLMEngine:
         self.eos_token_ids = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.runner = ModelRunner(config, model_path, self.spec, self.eos_token_ids)
+        classes = extension_classes(config)
+        self.runner = ModelRunner(
+            config, model_path, self.spec, self.eos_token_ids,
+            reserve=lambda num_pages: {
+                k: v for c in classes.values() for k, v in c.reserved_pages(config, self.spec, num_pages).items()
+            },
+        )  # fmt: skip
         self.block_manager = BlockManager(
             self.runner.num_pages, config.cache.block_size, self.model_id, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        # The extensions by name, in the order they run; the scheduler asks them to reserve pages.
+        self.extensions: dict[str, KVExtension] = {}
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.extensions.values())
         self.limits = RequestLimits(
             self.max_model_len, self.spec.vocab_size, self.block_manager.num_pages, config.cache.block_size
         )
-        self.extensions = build_extensions(config, self.runner, self.block_manager, self.scheduler, self.max_model_len)
+        self.extensions.update(build_extensions(config, self.runner, self.block_manager, self.max_model_len))
         self.grammars = Grammars(self.tokenizer, self.spec.vocab_size)
         self._requests: dict[str, Request] = {}
         # Requests with n > 1, by request id, until their last answer finishes.
         self._groups: dict[str, RequestGroup] = {}
         self._counters = {"num_requests": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "generation_tokens": 0}
         self._num_preemptions = 0
-        # Set by `attach_tier`: the cluster KV tier's connector (the tier is given by the caller: the engine does
-        # not import Ray). It is an extension too, last of them.
-        self.tier: TierConnector | None = None
+        # Set by `attach_tier`: the cluster KV tier's connector (built by the caller: the engine does not import
+        # Ray or the tier). It is an extension too, the last of them.
+        self.tier: KVConnector | None = None
 
-    @property
-    def sparse(self) -> SparseKV | None:
-        """The sparse retrieval extension, when `sparse.enabled`."""
-        return self.runner.sparse
+    def extension(self, name: str) -> KVExtension | None:
+        """The extension registered as `name` (`rayapp.engine.extension.EXTENSIONS`; `kvtier` for the cluster
+        tier's connector), when it is on."""
+        return self.extensions.get(name)
 
-    @property
-    def layerwise(self) -> LayerwiseKV | None:
-        """The layer-wise compression extension, when `layerwise.enabled`."""
-        return self.runner.layerwise
+    def reconfigure(self, **sections: Any) -> None:
+        """Switch settings of the extensions between requests (the engine must be idle), as
+        `reconfigure(sparse=SparseConfig(...))` or `reconfigure(layerwise=...)`; their counters restart.
 
-    def use_sparse_config(self, sparse: SparseConfig) -> None:
-        """Switch the sparse settings between requests (the engine must be idle).
-
-        For evaluation: one prefill, many scorers, each run after the first hitting the prefix
-        cache. The device block cache keeps the size the engine was built with.
+        For evaluation: prompts prefilled once stay in the prefix cache, so each setting after the first
+        recomputes only what the extensions read again (the scoring queries, the observation window). The
+        sparse device block cache keeps the size the engine was built with.
         """
-        self._reconfigure("use_sparse_config", dataclasses.replace(self.config, sparse=sparse))
-
-    def use_layerwise_config(self, layerwise: LayerwiseConfig) -> None:
-        """Switch the layer-wise compression settings between requests (the engine must be idle).
-
-        For evaluation: prompts prefilled once stay in the prefix cache, in every layer, so each
-        setting after the first recomputes only the observation window.
-        """
-        self._reconfigure("use_layerwise_config", dataclasses.replace(self.config, layerwise=layerwise))
-
-    def _reconfigure(self, caller: str, config: EngineConfig) -> None:
-        """Build the extensions anew for `config` (their counters restart)."""
         if self.has_unfinished_requests():
-            raise RuntimeError(f"{caller} needs an idle engine: finish or abort the running requests first")
-        self.config = config
-        self.extensions = build_extensions(config, self.runner, self.block_manager, self.scheduler, self.max_model_len)
+            raise RuntimeError("reconfigure needs an idle engine: finish or abort the running requests first")
+        self.config = dataclasses.replace(self.config, **sections)
+        built = build_extensions(self.config, self.runner, self.block_manager, self.max_model_len)
+        self.extensions.clear()
+        self.extensions.update(built)
         if self.tier is not None:
-            self.extensions.append(self.tier)
+            self.extensions["kvtier"] = self.tier
 
     @classmethod
     def from_options(cls, **options: Any) -> LLMEngine:
         return cls(EngineConfig.from_options(**options))
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        params: SamplingParams | None = None,
-        prompt_token_ids: list[int] | None = None,
-        cache_salt: str = "",
-        block_hashes: list[BlockHash] | None = None,
-    ) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         """Queue a request; it joins the running batch at the next step boundary.
 
-        Raises ValueError, saying what to change, for an empty or too long prompt or one that
-        cannot fit in the KV pool.
+        Raises ValueError (a `LimitError` naming the field), saying what to change, for an empty or too long
+        prompt or one that cannot fit in the KV pool.
         """
-        self.enqueue(self.prepare_request(request_id, prompt, params, prompt_token_ids, cache_salt, block_hashes))
+        self.enqueue(self.prepare_request(request))
 
     def enqueue(self, request: Request) -> None:
         """Hand a prepared request to the scheduler (engine thread only)."""
@@ -146,49 +130,38 @@ class LLMEngine:
         self._counters["num_requests"] += 1
         self._counters["prompt_tokens"] += request.seq.num_prompt_tokens
 
-    def prepare_request(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        params: SamplingParams | None = None,
-        prompt_token_ids: list[int] | None = None,
-        cache_salt: str = "",
-        block_hashes: list[BlockHash] | None = None,
-        delivered_tokens: int = 0,
-        delivered_chars: int | None = None,
-    ) -> Request:
-        """Validate and tokenize without touching the scheduler (safe from any thread).
+    def prepare_request(self, request: EngineRequest) -> Request:
+        """Validate without touching the scheduler (safe from any thread).
 
-        `block_hashes`, when given, are the prompt's full-block hashes as `rayapp.blocks.hash_blocks`
-        computes them with this engine's model id and `cache_salt` (the ingress hashes once).
-        `delivered_tokens`: the prompt's last tokens are an answer's output that another engine already
-        streamed (a moved request), with `delivered_chars` of their text (None: all of it); their text is read
-        again for the detokenizer, and only what the client has not seen is sent.
+        A moved request (`delivered_tokens`) has its delivered output's text read again for the detokenizer,
+        and only what the client has not seen is sent.
         """
+        request_id, ids, params = request.request_id, list(request.prompt_token_ids), request.sampling
         if request_id in self._requests or request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = params or SamplingParams()
-        if params.n > 1 and delivered_tokens:
+        if params.n > 1 and request.delivered_tokens:
             raise ValueError("a moved answer (delivered_tokens) continues one answer: give it n=1")
-        if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt or prompt_token_ids")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        ids = list(prompt_token_ids or [])
-        max_new = self.limits.check(ids, params.max_tokens, block_hashes, delivered_tokens)
+        max_new = self.limits.check(ids, params.max_tokens, request.block_hashes, request.delivered_tokens)
         self.limits.check_logit_bias(params.logit_bias)
-        seq = self._sequence(request_id, ids, params, cache_salt, block_hashes)
-        cut = len(ids) - delivered_tokens
+        seq = self._sequence(request_id, ids, params, request.cache_salt, request.block_hashes)
+        cut = len(ids) - request.delivered_tokens
         detok = IncrementalDetokenizer(
-            self.tokenizer, ids[:cut], params.stop, delivered_ids=ids[cut:], delivered_chars=delivered_chars,
+            self.tokenizer, ids[:cut], params.stop, delivered_ids=ids[cut:], delivered_chars=request.delivered_chars,
             min_tokens=params.min_tokens,
         )  # fmt: skip
-        request = Request(seq, prompt, ids, detok, max_new, [] if params.logprobs is not None else None)
+        text = request.prompt if isinstance(request.prompt, str) else None
+        prepared = Request(seq, text, ids, detok, max_new, [] if params.logprobs is not None else None)
         if params.n > 1:
-            request.group = RequestGroup(request_id, params.n, [request])
-        return request
+            prepared.group = RequestGroup(request_id, params.n, [prepared])
+        return prepared
+
+    def request(self, request_id: str, prompt: str, params: SamplingParams | None = None) -> EngineRequest:
+        """An `EngineRequest` for a text prompt, tokenized with this engine's tokenizer (ValueError for one that
+        is not a string)."""
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        ids = self.tokenizer.encode(prompt)
+        return EngineRequest(request_id, ids, sampling=params or SamplingParams(), prompt=prompt)
 
     def _sequence(
         self, seq_id: str, ids: list[int], params: SamplingParams, cache_salt: str, block_hashes: list[BlockHash] | None
@@ -197,7 +170,7 @@ class LLMEngine:
         seq.generator = make_generator(params, self.runner.device)
         if params.structured is not None:
             seq.grammar = self.grammars.matcher(params.structured)
-        seq.min_recompute_tokens = max((e.min_recompute_tokens(seq) for e in self.extensions), default=1)
+        seq.min_recompute_tokens = max((e.min_recompute_tokens(seq) for e in self.extensions.values()), default=1)
         return seq
 
     def _fork(self, parent: Request) -> None:
@@ -211,7 +184,7 @@ class LLMEngine:
         group, seq, bm = parent.group, parent.seq, self.block_manager
         group.forked = True
         ids = parent.prompt_token_ids
-        shared = not any(e.keeps_own_layout(seq) for e in self.extensions)
+        shared = not any(e.keeps_own_layout(seq) for e in self.extensions.values())
         queued = []
         for i in range(1, group.n):
             params = seq.params
@@ -264,15 +237,15 @@ class LLMEngine:
         self._num_preemptions += len(batch.preempted)
         for seq in batch.preempted:  # recomputed from scratch when readmitted
             self._forget(seq)
-        for extension in self.extensions:
+        for extension in self.extensions.values():
             extension.begin_step()
         if not batch.seqs:
             return []
-        tokens, logprobs = self.runner.run(batch)
+        tokens, logprobs = self.runner.run(batch, self.extensions.values())
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
-        for extension in self.extensions:  # before tokens are appended: one that finishes now frees its pages
+        for extension in self.extensions.values():  # before tokens are appended: one that finishes now frees its pages
             extension.after_step(batch.seqs)
         outputs = []
         for seq, token, logprob in zip(batch.seqs, tokens, logprobs):
@@ -324,7 +297,7 @@ class LLMEngine:
 
     def _forget(self, seq: Sequence) -> None:
         """Drop the extensions' state of `seq` (its pages were released by the scheduler)."""
-        for extension in self.extensions:
+        for extension in self.extensions.values():
             extension.drop(seq)
 
     def take_kv_events(self) -> list[KVEvent]:
@@ -342,13 +315,13 @@ class LLMEngine:
 
     def metrics(self) -> tuple[Metric, ...]:
         """What `stats` reports on `/metrics`: the engine's numbers and its extensions'."""
-        return METRICS + tuple(m for e in self.extensions for m in e.metrics())
+        return METRICS + tuple(m for e in self.extensions.values() for m in e.metrics())
 
     def stats(self) -> dict[str, int]:
         """Cumulative counters since start, the current state of the page pool, and the extensions' numbers."""
         bm = self.block_manager
         return {
-            **{k: v for e in self.extensions for k, v in e.stats().items()},
+            **{k: v for e in self.extensions.values() for k, v in e.stats().items()},
             **self._counters,
             "num_preemptions": self._num_preemptions,
             "num_running": len(self.scheduler.running),
@@ -360,15 +333,18 @@ class LLMEngine:
             "page_size": bm.block_size,
         }
 
-    def attach_tier(self, tier: TierPort) -> None:
-        """Share KV blocks with a cluster tier: write full blocks through to it, load from it at admission."""
+    def attach_tier(self, connector: KVConnector) -> None:
+        """Share KV blocks with a cluster tier through `connector` (`rayapp.kvtier.connector.connect` builds one):
+        it writes full blocks through and is asked at every admission."""
         self.detach_tier()
-        self.tier = TierConnector(self.runner, self.block_manager, tier)
-        self.scheduler.connector = self.tier
-        self.extensions.append(self.tier)
+        connector.attach()
+        self.tier = connector
+        self.scheduler.connector = connector
+        self.extensions["kvtier"] = connector
 
-    def detach_tier(self) -> TierPort | None:
-        """Go on without the cluster tier (no writes, no loads); returns it, to attach again (engine idle)."""
+    def detach_tier(self) -> KVConnector | None:
+        """Go on without the cluster tier (no writes, no loads); returns its connector, to attach again (engine
+        idle)."""
         if self.tier is None:
             return None
         if self.scheduler.loading:
@@ -376,5 +352,5 @@ class LLMEngine:
         connector, self.tier = self.tier, None
         connector.detach()
         self.scheduler.connector = None
-        self.extensions.remove(connector)
-        return connector.tier
+        del self.extensions["kvtier"]
+        return connector

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from rayapp.blocks import BlockHash
+from rayapp.blocks import BlockHash, BlockStored
 
 # The pool's page that is never handed out (`KVPool`): table entries with no device page name it.
 NULL_PAGE = 0
@@ -115,3 +115,20 @@ class FreeBlockQueue:
         nxt.prev_free = prev
         page.prev_free = page.next_free = None
         self._len -= 1
+
+
+def cached_chains(cached: dict[BlockHash, Page], block_size: int) -> list[BlockStored]:
+    """One `BlockStored` per block of `cached` (hash -> the page caching it), each after its parent."""
+    ordered: list[BlockStored] = []
+    seen: set[BlockHash] = set()
+    for block_hash in cached:
+        chain: list[BlockHash] = []
+        h: BlockHash | None = block_hash
+        while h is not None and h in cached and h not in seen:  # up to an emitted or uncached parent
+            seen.add(h)
+            chain.append(h)
+            h = cached[h].parent_hash
+        for h in reversed(chain):
+            page = cached[h]
+            ordered.append(BlockStored((h,), page.parent_hash, page.token_ids or (), block_size))
+    return ordered

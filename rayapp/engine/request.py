@@ -5,11 +5,40 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from rayapp.blocks import BlockHash
 from rayapp.engine.detokenizer import IncrementalDetokenizer
 from rayapp.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from rayapp.engine.sampling_params import SamplingParams
 from rayapp.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as an engine takes it: tokenized, and hashed once by the ingress when served.
+
+    The same object crosses every boundary (ingress, router, replica, the engine's process). Request routers
+    read it before it leaves the ingress: rayapp's `PrefixAwareRouter` reads `block_hashes` and
+    `prompt_token_ids`; text-trie routers (Ray Serve LLM's `PrefixCacheAffinityRouter`) read `prompt`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # The hash chain of the prompt's full blocks, salted by tenant, as `rayapp.blocks.hash_blocks` computes it
+    # with the engine's model id and `cache_salt`; None: the engine hashes the prompt itself.
+    block_hashes: list[BlockHash] | None = None
+    # Derived from the tenant (a hash, never the API key itself): tenants never share KV pages.
+    cache_salt: str = ""
+    sampling: SamplingParams = SamplingParams()
+    # What the client sent: the prompt text (or token ids), or the chat messages; None when it sent token ids.
+    prompt: str | list[int] | list[dict[str, Any]] | None = None
+    # A moved request: the last `delivered_tokens` prompt tokens are output another replica already streamed,
+    # with `delivered_chars` characters of text (None: all of it). The engine reads their text again (held-back
+    # text and stop strings spanning the cut come out as if the answer had not moved) and streams only what
+    # follows.
+    delivered_tokens: int = 0
+    delivered_chars: int | None = None
 
 
 @dataclass

@@ -2,27 +2,42 @@
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from rayapp.config import SchedulerConfig
 from rayapp.engine.block_manager import BlockManager
+from rayapp.engine.pages import PrefixMatch
 from rayapp.engine.sequence import Sequence, SequenceStatus
 
-if TYPE_CHECKING:
-    from rayapp.engine.tier_connector import TierConnector
+
+class PageReserver(Protocol):
+    """An extension that may hold a sequence's pages in a layout of its own (`KVExtension.reserve`)."""
+
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> bool | None:
+        """Room for `num_new_tokens` more tokens of `seq`: True or False when this extension holds its pages (it
+        took the room, or could not), None when the BlockManager does."""
+        ...
 
 
-class Admission(enum.Enum):
-    """What `TierConnector.admit` decided for the queue's front sequence."""
+class AdmissionConnector(Protocol):
+    """An external KV source asked at every admission, right after the prefix match (vLLM's
+    `KVConnectorBase_V1`): it offers tokens, the BlockManager decides room, and the connector adopts them."""
 
-    PROCEED = "proceed"  # nothing to load: admit it as the prefix match found it
-    INSTALLED = "installed"  # tier blocks were put into cached pages: match its prefix again, then admit it
-    LOADING = "loading"  # its blocks are being fetched: it waits in WAITING_FOR_TIER, out of the queue
-    HOLD = "hold"  # its fetched blocks wait for room in the pool: admit nothing this step
+    def offer(self, seq: Sequence, prefix: PrefixMatch) -> int | None:
+        """The tokens it holds ready to continue `prefix` (0: none), or None while it fetches them (`seq` waits
+        out of the queue until `take_finished` gives it back). Installs nothing."""
+        ...
+
+    def adopt(self, seq: Sequence, prefix: PrefixMatch) -> PrefixMatch:
+        """Put the offered blocks into cached pages; returns `prefix` extended over them."""
+        ...
+
+    def take_finished(self) -> list[Sequence]: ...
+
+    def has_finished(self) -> bool: ...
 
 
 @dataclass
@@ -52,22 +67,20 @@ class Scheduler:
     pages run out, the newest running sequence is preempted: its pages are freed (they stay in
     the prefix cache, so recomputing is mostly cache hits) and it goes back to the waiting front.
     With a cluster tier, its connector is asked at every admission, right after the prefix match
-    (`TierConnector.admit`): a sequence whose blocks the tier holds waits in `WAITING_FOR_TIER`, out of the
-    queue, while they are fetched, and comes back to the queue's front when they are.
+    (`AdmissionConnector.offer`): a sequence whose blocks the tier is fetching waits in `WAITING_FOR_TIER`, out
+    of the queue, and comes back to the queue's front when they are in; offered blocks are adopted once the
+    BlockManager has room for the whole sequence, so no step evicts them before the admission that uses them.
     """
 
     def __init__(
-        self,
-        config: SchedulerConfig,
-        block_manager: BlockManager,
-        reserve_compacted: Callable[[Sequence, int], bool] | None = None,
+        self, config: SchedulerConfig, block_manager: BlockManager, reservers: Iterable[PageReserver] = ()
     ) -> None:
+        """`reservers`: the engine's extensions (a live view: the engine may rebuild them)."""
         self.config = config
         self.block_manager = block_manager
-        # Grows a compacted sequence (layer-wise compression), whose pages are not a token-ordered table.
-        self.reserve_compacted = reserve_compacted
+        self.reservers = reservers
         # The cluster tier's connector (`LLMEngine.attach_tier`), asked at each admission.
-        self.connector: TierConnector | None = None
+        self.connector: AdmissionConnector | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Sequences in WAITING_FOR_TIER, by id: taken out of `waiting` while the tier loads their blocks.
@@ -131,27 +144,27 @@ class Scheduler:
         return batch
 
     def _allocate(self, seq: Sequence, n: int) -> bool:
-        if not seq.compacted:
-            return self.block_manager.allocate(seq, n)
-        if self.reserve_compacted is None:
-            raise RuntimeError(f"sequence {seq.seq_id} is compacted but the scheduler has no reserve_compacted")
-        return self.reserve_compacted(seq, n)
+        for reserver in self.reservers:
+            reserved = reserver.reserve(seq, n)
+            if reserved is not None:
+                return reserved
+        return self.block_manager.allocate(seq, n)
 
     def _admit(self, budget: int, chosen: dict[str, int]) -> None:
         while self.waiting and budget > 0 and not self.is_full:
             seq = self.waiting[0]
             prefix = self.block_manager.match_prefix(seq)
             if self.connector is not None:
-                admission = self.connector.admit(seq, prefix)
-                if admission is Admission.LOADING:
+                offered = self.connector.offer(seq, prefix)
+                if offered is None:
                     self.waiting.popleft()
                     seq.status = SequenceStatus.WAITING_FOR_TIER
                     self.loading[seq.seq_id] = seq
                     continue
-                if admission is Admission.HOLD:
-                    break  # its blocks wait for room: nothing behind it jumps the queue
-                if admission is Admission.INSTALLED:
-                    prefix = self.block_manager.match_prefix(seq)
+                if offered:
+                    if not self.block_manager.fits(seq, prefix):
+                        break  # its blocks wait for room: nothing behind it jumps the queue
+                    prefix = self.connector.adopt(seq, prefix)
             n = min(seq.num_tokens - prefix.num_tokens, budget)
             if not self.block_manager.allocate(seq, n, prefix):
                 break

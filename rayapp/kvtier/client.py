@@ -1,4 +1,4 @@
-"""`KVTierClient`: one engine's side of the cluster tier (the `TierPort` of `rayapp.engine.tier_connector`).
+"""`KVTierClient`: one engine's side of the cluster tier (the `TierPort` of `rayapp.kvtier.connector`).
 
 Writes go through a queue to one background thread: the engine thread only copies pages and enqueues.
 The thread takes the runs queued within `COALESCE_S` of the first as one batch, skips blocks the
@@ -36,6 +36,7 @@ from rayapp.blocks import BlockHash, BlockRemoved, BlockStored, Tier
 from rayapp.config import KVTierConfig
 from rayapp.kvtier.catalog import Catalog
 from rayapp.kvtier.codec import KVBlock, encode_block
+from rayapp.kvtier.connector import connect
 from rayapp.kvtier.embedded import start_embedded_database
 from rayapp.kvtier.loader import load_chain
 from rayapp.kvtier.records import ChainMatch
@@ -269,5 +270,5 @@ def attach_tier(engine: LLMEngine) -> KVTierClient:
     tier = KVTierClient(
         engine.config.kvtier, engine.model_id, engine.block_manager.block_size, spec.num_kv_heads * spec.head_dim
     )
-    engine.attach_tier(tier)
+    connect(engine, tier)
     return tier

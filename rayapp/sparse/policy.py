@@ -70,3 +70,16 @@ class RetrievalPolicy:
     def window_start_page(self, context_len: int) -> int:
         """First page of the window (everything from it to the last page is attended)."""
         return self.init_pages + self.num_middle_blocks(context_len) * self.pages_per_block
+
+    def device_cache_blocks(self, max_model_len: int, max_num_seqs: int, num_pages: int) -> int:
+        """Retrieval blocks per layer and KV head that the device block cache of offloaded sequences holds (0 when
+        no prompt can offload): unless `device_cache_blocks` sets it, what every offloaded sequence able to run at
+        once selects in one step; each holds its init pages and window (plus a block being filled) in the pool
+        of `num_pages`, and selects its top-k of the middle of a `max_model_len` context."""
+        if self.config.offload_boundary >= max_model_len:
+            return 0
+        if self.config.device_cache_blocks:
+            return self.config.device_cache_blocks
+        held = self.init_pages + self.local_pages + self.pages_per_block
+        running = max(1, min(max_num_seqs, num_pages // held))
+        return running * max(1, self.num_selected(self.num_middle_blocks(max_model_len)))

@@ -33,23 +33,25 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from rayapp.blocks import KVEvent
 from rayapp.config import DTYPE_OPTIONS, AppConfig
 from rayapp.config.app import VLLM_SHARED_KWARGS
-from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
+from rayapp.drivers.backend import EngineDeadError, GenerateDelta, Usage, UsageTally
 from rayapp.engine.detokenizer import IncrementalDetokenizer
 from rayapp.engine.llm_engine import METRICS as ENGINE_METRICS
 from rayapp.engine.outputs import TokenLogprob
+from rayapp.engine.request import EngineRequest
 from rayapp.engine.sampling_params import SamplingParams, StructuredOutput
 from rayapp.engine.structured import ANY_OBJECT
-from rayapp.engine.tier_connector import METRICS as TIER_METRICS
 from rayapp.kernels.cpu import cpu_plan
 from rayapp.kvtier import log_unavailable
 from rayapp.kvtier.client import METRICS as CLIENT_METRICS
+from rayapp.kvtier.connector import METRICS as TIER_METRICS
 from rayapp.models.loader import model_id, resolve_model
 from rayapp.models.tokenizer import load_tokenizer
 from rayapp.observability import Metric, counters
-from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM, kv_transfer_config
+from rayapp.vllm_ext.connector import kv_transfer_config
 from rayapp.vllm_ext.cpu_binding import bind_cpu_slot, keep_frontend_core, one_process_engine
 from rayapp.vllm_ext.kv_events import VLLMKVEvents
 from rayapp.vllm_ext.retrieval import RetrievalStats, register, settings_env
+from rayapp.vllm_ext.tier_protocol import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM
 from rayapp.vllm_ext.worker_extension import REPLICA_EXTENSION
 
 METRICS = counters(
@@ -268,8 +270,7 @@ class VLLMBackend:
         if request.cache_salt:
             prompt["cache_salt"] = request.cache_salt
         ids = request.prompt_token_ids
-        prompt_tokens = len(ids)
-        generated = 0
+        tally = UsageTally(len(ids))
         detok = None
         if request.delivered_tokens:
             # A moved answer: rayapp's detokenizer reads the delivered output again, so the text held back at
@@ -287,7 +288,7 @@ class VLLMBackend:
                 async for out in stream:
                     # With n > 1, vLLM's outputs are the answers that progressed (none: a repeat of a finished one).
                     if not out.outputs and out.finished:
-                        yield GenerateDelta("", [], None, self._usage(out, prompt_tokens, generated))
+                        yield GenerateDelta("", [], None, self._usage(out, tally))
                         return
                     for k, completion in enumerate(out.outputs):
                         text, token_ids, reason = completion.text, list(completion.token_ids), completion.finish_reason
@@ -300,8 +301,8 @@ class VLLMBackend:
                             logprobs = None if logprobs is None else logprobs[: len(token_ids)]
                             if detok.stop_matched is not None:
                                 last, reason = True, "stop"
-                        generated += len(token_ids)
-                        usage = self._usage(out, prompt_tokens, generated) if last else None
+                        tally.add(token_ids)
+                        usage = self._usage(out, tally) if last else None
                         yield GenerateDelta(text, token_ids, reason, usage, logprobs, completion.index)
                         if last:
                             return
@@ -310,15 +311,15 @@ class VLLMBackend:
         except VLLMClientError as error:  # vLLM refused the request (not a ValueError in vLLM): the client's 400
             raise ValueError(str(error)) from None
 
-    def _usage(self, out: Any, prompt_tokens: int, generated: int) -> Usage:
+    def _usage(self, out: Any, tally: UsageTally) -> Usage:
         """A finished request's usage, counted into this replica's stats."""
         tier = out.kv_transfer_params or {}
         # vLLM counts what the tier offered as cached, delivered or not.
-        cached = (out.num_cached_tokens or 0) - tier.get(MISSED_TOKENS_PARAM, 0)
-        self._stats.counters["prompt_tokens"] += prompt_tokens
-        self._stats.counters["cached_prompt_tokens"] += cached
+        usage = tally.usage((out.num_cached_tokens or 0) - tier.get(MISSED_TOKENS_PARAM, 0))
+        self._stats.counters["prompt_tokens"] += usage.prompt_tokens
+        self._stats.counters["cached_prompt_tokens"] += usage.cached_tokens
         self._stats.counters["tier_loaded_tokens"] += tier.get(LOADED_TOKENS_PARAM, 0)
-        return Usage(prompt_tokens, generated, cached)
+        return usage
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

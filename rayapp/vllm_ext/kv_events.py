@@ -34,7 +34,7 @@ from vllm.distributed.kv_events import BlockRemoved as VLLMBlockRemoved
 from vllm.distributed.kv_events import BlockStored as VLLMBlockStored
 
 from rayapp.blocks import AllCleared, BlockHash, BlockRemoved, BlockStored, KVEvent, Tier, hash_block
-from rayapp.vllm_ext.connector import TIER_MEDIUM
+from rayapp.vllm_ext.tier_protocol import TIER_MEDIUM
 
 logger = logging.getLogger(__name__)
 

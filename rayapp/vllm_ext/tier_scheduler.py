@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from rayapp.blocks import BlockHash, hash_block
 from rayapp.kvtier.catalog import Catalog
 from rayapp.kvtier.records import ChainMatch
-from rayapp.vllm_ext.connector import BlockRun, Load, TierMetadata, TierSettings
+from rayapp.vllm_ext.tier_protocol import BlockRun, Load, TierMetadata, TierSettings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

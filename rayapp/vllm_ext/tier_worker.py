@@ -28,9 +28,9 @@ from rayapp.kvtier import join_ray, pin_thread, spare_cores, threads_on
 from rayapp.kvtier.client import KVTierClient
 from rayapp.kvtier.loader import load_chain
 from rayapp.kvtier.records import ChainMatch
-from rayapp.vllm_ext.connector import TIER_MEDIUM, BlockRun, Load, TierSettings
 from rayapp.vllm_ext.pages import PagedKV
 from rayapp.vllm_ext.retrieval import note_pages_written
+from rayapp.vllm_ext.tier_protocol import TIER_MEDIUM, BlockRun, Load, TierSettings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

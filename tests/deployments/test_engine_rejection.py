@@ -7,19 +7,17 @@ import asyncio
 import pytest
 from ray.exceptions import RayTaskError
 
-from rayapp.deployments.generation import Generation
+from rayapp.deployments.generation import Generation, InFlight
 from rayapp.deployments.protocol import APIError
-from rayapp.engine.backend import EngineRequest
-from rayapp.engine.request import CONTEXT_LENGTH_EXCEEDED, LimitError
+from rayapp.engine.request import CONTEXT_LENGTH_EXCEEDED, EngineRequest, LimitError
 from rayapp.engine.sampling_params import SamplingParams
 
 
 class _Rejecting:
-    """What `Generation` uses of the ingress, over a replica whose engine rejects every request with `error`."""
+    """A replica handle whose engine rejects every request with `error`."""
 
     def __init__(self, error: Exception) -> None:
-        self.error, self.inflight, self.moved_requests = error, 0, 0
-        self.replica = self
+        self.error = error
 
     def options(self, stream: bool):
         return self
@@ -49,12 +47,12 @@ class _Rejecting:
 def test_an_engine_rejection_is_a_400_with_its_field_and_code(error, param, code):
     async def rejected() -> APIError:
         request = EngineRequest("r", [1, 2, 3], [], "", SamplingParams(max_tokens=4), "hi")
-        ingress = _Rejecting(error)
-        generation = Generation(ingress, request)
+        inflight = InFlight()
+        generation = Generation(_Rejecting(error), request, lambda ids, salt: [], inflight)
         with pytest.raises(APIError) as raised:
             await generation.next()
         generation.release(cancel=True)
-        assert ingress.inflight == 0
+        assert inflight.requests == 0
         return raised.value
 
     answer = asyncio.run(rejected())

@@ -8,16 +8,19 @@ raises when a replica process is gone) after some deltas; the streams come from 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import os
+import uuid
 
 import pytest
 from ray.exceptions import RayActorError
 
+from rayapp.blocks import BlockHash, hash_blocks
 from rayapp.config import AppConfig
 from rayapp.deployments.engines import backend_class
-from rayapp.deployments.generation import Generation
-from rayapp.deployments.ingress import OpenAIIngress
+from rayapp.deployments.generation import Generation, InFlight
+from rayapp.engine.request import EngineRequest
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.tokenizer import chat_token_ids
 
@@ -51,16 +54,15 @@ class _Stream:
         asyncio.ensure_future(self.deltas.aclose())
 
 
-class _Ingress:
-    """What `Generation` uses of the ingress, over a replica whose first stream dies."""
+def _hash_blocks(block_size: int, ids: list[int], salt: str) -> list[BlockHash]:
+    return hash_blocks(ids, block_size, ("SmolLM2-135M-Instruct", salt))
 
-    generate_request = OpenAIIngress.generate_request
 
-    def __init__(self, backend, config: AppConfig, die_after: int | None) -> None:
+class _Replica:
+    """A replica handle whose first stream dies."""
+
+    def __init__(self, backend, die_after: int | None) -> None:
         self.backend, self.die_after = backend, die_after
-        self.block_size, self.model_id = config.kv_block_size(), "SmolLM2-135M-Instruct"
-        self.inflight = self.moved_requests = 0
-        self.replica = self
 
     def options(self, stream: bool):
         return self
@@ -95,13 +97,15 @@ def engine(request):
 
 async def _generate(engine, ids, sampling, die_after):
     backend, config, _ = engine
-    ingress = _Ingress(backend, config, die_after)
-    generation = Generation(ingress, ingress.generate_request(ids, "", sampling, MESSAGES))
+    hasher = functools.partial(_hash_blocks, config.kv_block_size())
+    inflight = InFlight()
+    request = EngineRequest(uuid.uuid4().hex, ids, hasher(ids, ""), "", sampling, MESSAGES)
+    generation = Generation(_Replica(backend, die_after), request, hasher, inflight)
     items = [await generation.next()]
     while not items[-1].last:
         items.append(await generation.next())
     generation.release(cancel=False)
-    assert ingress.moved_requests == (die_after is not None)
+    assert inflight.moved == (die_after is not None) and inflight.requests == 0
     return generation, items
 
 

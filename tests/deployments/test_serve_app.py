@@ -23,7 +23,7 @@ import pytest
 
 from rayapp import LLM, SamplingParams
 from rayapp.config import AppConfig
-from rayapp.engine.engine_process import PROCESS_NAME
+from rayapp.drivers.process import PROCESS_NAME
 from rayapp.models.tokenizer import chat_token_ids
 
 KEY = "test-key"

@@ -19,7 +19,7 @@ def engine():
 
 async def _collect(engine: AsyncLLMEngine, request_id: str, prompt: str, params: SamplingParams):
     deltas, last = [], None
-    async for out in engine.generate(request_id, prompt=prompt, params=params):
+    async for out in engine.generate(engine.engine.request(request_id, prompt, params)):
         deltas.append(out.outputs[0].delta_text)
         last = out
     return "".join(deltas), last
@@ -90,7 +90,7 @@ def test_stop_string_ends_the_stream_and_is_cut_from_the_text(engine):
 
 def test_bad_request_raises_before_anything_is_queued(engine):
     async def scenario():
-        async for _ in engine.generate("bad", prompt=""):
+        async for _ in engine.generate(engine.engine.request("bad", "")):
             pass
 
     with pytest.raises(ValueError, match="empty"):

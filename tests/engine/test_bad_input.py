@@ -80,9 +80,8 @@ def test_nothing_is_queued_when_one_prompt_of_a_batch_is_bad(llm):
 
 def test_abort_mid_generation_frees_every_page():
     engine = LLMEngine.from_options(dtype="float32", num_pages=64)
-    engine.add_request(
-        "a", prompt="Tell me a long story about the sea.", params=SamplingParams(max_tokens=200, ignore_eos=True)
-    )
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    engine.add_request(engine.request("a", "Tell me a long story about the sea.", params))
     while not engine.step():
         pass
     assert engine.stats()["pages_used"] > 0
@@ -97,7 +96,7 @@ def test_leaving_a_stream_early_aborts_the_request_and_frees_its_pages():
 
     async def scenario() -> None:
         params = SamplingParams(max_tokens=200, ignore_eos=True)
-        stream = engine.generate("s", prompt="Count to one hundred.", params=params)
+        stream = engine.generate(engine.engine.request("s", "Count to one hundred.", params))
         seen = 0
         async for _ in stream:
             seen += 1

@@ -10,8 +10,9 @@ import pytest
 
 from rayapp import LLM, SamplingParams
 from rayapp.config import EngineConfig
-from rayapp.engine.backend import EngineDeadError, EngineRequest
-from rayapp.engine.engine_process import PROCESS_NAME, EngineProcess
+from rayapp.drivers.backend import EngineDeadError
+from rayapp.drivers.process import PROCESS_NAME, EngineProcess
+from rayapp.engine.request import CONTEXT_LENGTH_EXCEEDED, EngineRequest, LimitError
 
 OPTIONS = {"dtype": "float32", "num_pages": 128}
 PROMPTS = [[1, 504, 3458, 282, 253, 2914], [1, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33]]
@@ -67,6 +68,20 @@ def test_a_refused_request_raises_value_error_and_the_engine_serves_on(engine):
         asyncio.run(_collect(engine, _request("bad", [10**9])))
     deltas = asyncio.run(_collect(engine, _request("after", PROMPTS[0], temperature=0.0, max_tokens=4)))
     assert deltas[-1].usage is not None
+
+
+@pytest.mark.parametrize(
+    ("ids", "max_tokens", "param", "code"),
+    [
+        (PROMPTS[0], 128 * 16, "max_tokens", None),  # past the pool: only the engine knows its size
+        ([1] * 8192, None, "prompt", CONTEXT_LENGTH_EXCEEDED),
+    ],
+)
+def test_a_limit_error_crosses_the_process_whole(engine, ids, max_tokens, param, code):
+    """The ingress answers a LimitError's `param` and `code` in its 400: they must survive the pipe."""
+    with pytest.raises(LimitError) as raised:
+        asyncio.run(_collect(engine, _request("limit", ids, max_tokens=max_tokens)))
+    assert (raised.value.param, raised.value.code) == (param, code)
 
 
 def test_leaving_a_stream_early_aborts_it_and_frees_its_pages(engine):

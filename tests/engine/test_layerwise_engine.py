@@ -7,9 +7,10 @@ import torch
 
 from rayapp import LLM, SamplingParams
 from rayapp.config import AppConfig, EngineConfig, LayerwiseConfig, LayerwiseSettings, SparseConfig
-from rayapp.engine.layerwise_kv import LayerwiseKV
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.pages import NULL_PAGE
+from rayapp.engine.request import EngineRequest
+from rayapp.layerwise.extension import LayerwiseKV
 from rayapp.sparse.evaluation import needle_case
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -30,7 +31,7 @@ def prompts(llm):
 
 
 def generate(llm, prompts, layerwise, params=GREEDY):
-    llm.engine.use_layerwise_config(layerwise)
+    llm.engine.reconfigure(layerwise=layerwise)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     llm.engine.block_manager.check_invariants()
     return [o.outputs[0].token_ids for o in outs]
@@ -45,7 +46,7 @@ def test_compression_ratio_zero_decodes_exactly_like_dense(llm, prompts):
 
 
 def test_compaction_keeps_exactly_the_selected_tokens(llm, prompts, monkeypatch):
-    llm.engine.use_layerwise_config(ON)
+    llm.engine.reconfigure(layerwise=ON)
     engine, runner = llm.engine, llm.engine.runner
     seen = {}
     compact = LayerwiseKV._compact
@@ -55,11 +56,11 @@ def test_compaction_keeps_exactly_the_selected_tokens(llm, prompts, monkeypatch)
         compact(self, seq, cap)
 
     monkeypatch.setattr(LayerwiseKV, "_compact", spy)
-    engine.add_request("kept", prompt_token_ids=prompts[0], params=SamplingParams(max_tokens=4))
+    engine.add_request(EngineRequest("kept", prompts[0], sampling=SamplingParams(max_tokens=4)))
     while "cap" not in seen:
         engine.step()
     n, cap, bs = seen["n"], seen["cap"], engine.block_manager.block_size
-    state = engine.layerwise._compacted["kept"]
+    state = engine.extension("layerwise")._compacted["kept"]
     pages = torch.tensor(seen["pages"][: -(-n // bs)])
     flat = runner.pool.slots()[0].flatten(0, 1)
     for layer in range(engine.spec.num_layers):
@@ -79,9 +80,9 @@ def test_compaction_keeps_exactly_the_selected_tokens(llm, prompts, monkeypatch)
 
 
 def test_a_compacted_sequence_holds_carrier_pages_and_no_token_table(llm, prompts):
-    llm.engine.use_layerwise_config(ON)
+    llm.engine.reconfigure(layerwise=ON)
     engine = llm.engine
-    engine.add_request("carried", prompt_token_ids=prompts[1], params=SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request(EngineRequest("carried", prompts[1], sampling=SamplingParams(max_tokens=8, ignore_eos=True)))
     seq = engine._requests["carried"].seq
     while not seq.compacted:
         engine.step()
@@ -101,7 +102,7 @@ def test_pages_freed_by_compaction_let_more_sequences_run():
         tok = engine.tokenizer
         for i in range(3):
             ids = needle_case(tok, 600, 0.5, seed=10 + i).prompt_token_ids
-            engine.add_request(str(i), prompt_token_ids=ids, params=SamplingParams(max_tokens=40, ignore_eos=True))
+            engine.add_request(EngineRequest(str(i), ids, sampling=SamplingParams(max_tokens=40, ignore_eos=True)))
         peak, generated = 0, 0
         while engine.has_unfinished_requests():
             tokens = len(engine.step())  # one per sequence that decoded (or ended its prefill) this step
@@ -134,7 +135,7 @@ def test_a_preempted_compacted_sequence_resumes():
     tok = engine.tokenizer
     for i in range(2):
         ids = needle_case(tok, 280, 0.5, seed=20 + i).prompt_token_ids
-        engine.add_request(str(i), prompt_token_ids=ids, params=SamplingParams(max_tokens=300, ignore_eos=True))
+        engine.add_request(EngineRequest(str(i), ids, sampling=SamplingParams(max_tokens=300, ignore_eos=True)))
     lengths = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -155,10 +156,10 @@ def test_with_sparse_retrieval_on_long_prompts_go_sparse_and_short_ones_are_comp
     assert stats["sparse_seqs_sparse"] == 1 and stats["sparse_seqs_dense"] == 1
     assert stats["layerwise_compacted_seqs"] == 1
     # Each equals its prompt run alone with only its own method on.
-    llm.engine.use_layerwise_config(LayerwiseConfig())
+    llm.engine.reconfigure(layerwise=LayerwiseConfig())
     assert llm.generate(prompt_token_ids=long, sampling_params=params)[0].outputs[0].token_ids == both[0]
-    llm.engine.use_sparse_config(dataclasses.replace(sparse, enabled=False))
-    llm.engine.use_layerwise_config(ON)
+    llm.engine.reconfigure(sparse=dataclasses.replace(sparse, enabled=False))
+    llm.engine.reconfigure(layerwise=ON)
     assert llm.generate(prompt_token_ids=short, sampling_params=params)[0].outputs[0].token_ids == both[1]
     llm.engine.block_manager.check_invariants()
 

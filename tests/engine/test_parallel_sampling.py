@@ -13,6 +13,7 @@ import pytest
 
 from rayapp import LLM, SamplingParams
 from rayapp.engine.llm_engine import LLMEngine
+from rayapp.engine.request import EngineRequest
 
 # 100 tokens: six full pages of 16 and a partial one, and the fork point (token 99) is inside a page too.
 PROMPT = list(range(1000, 1100))
@@ -41,8 +42,8 @@ def test_seeded_answers_equal_their_single_seeded_runs(llm):
 def test_answers_share_the_prompt_pages_and_abort_frees_them_all():
     engine = LLMEngine.from_options(dtype="float32", num_pages=64, enable_prefix_caching=False)
     bm, bs = engine.block_manager, engine.block_manager.block_size
-    engine.add_request("r", params=SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True, n=3),
-                       prompt_token_ids=PROMPT)  # fmt: skip
+    sampling = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True, n=3)
+    engine.add_request(EngineRequest("r", PROMPT, sampling=sampling))
     while len(engine.scheduler.running) < 3:
         engine.step()
     engine.step()  # every answer has sampled its first token
@@ -61,7 +62,7 @@ def test_answers_that_find_the_batch_full_queue_and_reuse_the_cached_prompt():
     llm = LLM(dtype="float32", num_pages=128, max_num_seqs=1)
     engine, bs = llm.engine, llm.engine.block_manager.block_size
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True, n=3)
-    engine.add_request("q", params=params, prompt_token_ids=PROMPT)
+    engine.add_request(EngineRequest("q", PROMPT, sampling=params))
     answers, cached = {}, {}
     while engine.has_unfinished_requests():
         for seq in engine.scheduler.running:
@@ -75,4 +76,4 @@ def test_answers_that_find_the_batch_full_queue_and_reuse_the_cached_prompt():
 
 def test_a_moved_answer_must_be_a_single_one(llm):
     with pytest.raises(ValueError, match="n=1"):
-        llm.engine.prepare_request("moved", params=SamplingParams(n=2), prompt_token_ids=PROMPT, delivered_tokens=4)
+        llm.engine.prepare_request(EngineRequest("moved", PROMPT, sampling=SamplingParams(n=2), delivered_tokens=4))

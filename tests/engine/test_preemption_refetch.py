@@ -11,8 +11,10 @@ import torch
 
 from rayapp import LLM, SamplingParams
 from rayapp.blocks import BlockHash, BlockStored
-from rayapp.engine.async_engine import AsyncLLMEngine
+from rayapp.drivers.async_engine import AsyncLLMEngine
 from rayapp.engine.llm_engine import LLMEngine
+from rayapp.engine.request import EngineRequest
+from rayapp.kvtier.connector import connect
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 # Two 160-token prompts (10 pages each) growing to 224 tokens (14 pages) in a 24-page pool: the second is
@@ -72,7 +74,7 @@ def reference() -> list[list[int]]:
 
 async def answer(engine: AsyncLLMEngine, request_id: str, prompt: list[int]) -> list[int]:
     last = None
-    async for out in engine.generate(request_id, params=PARAMS, prompt_token_ids=prompt):
+    async for out in engine.generate(EngineRequest(request_id, prompt, sampling=PARAMS)):
         last = out
     return last.outputs[0].token_ids
 
@@ -92,7 +94,7 @@ def run_both(engine: LLMEngine) -> list[list[int]]:
 def test_a_preempted_request_loads_its_lost_blocks_back_from_the_tier(reference):
     engine = LLMEngine.from_options(dtype="float32", num_pages=24)
     tier = MemoryTier()
-    engine.attach_tier(tier)
+    connect(engine, tier)
     assert run_both(engine) == reference
     stats = engine.stats()
     assert stats["num_preemptions"] >= 1
@@ -105,7 +107,7 @@ def test_a_preempted_request_loads_its_lost_blocks_back_from_the_tier(reference)
 def test_without_the_blocks_in_the_tier_it_recomputes_once_and_is_not_parked_again(reference):
     engine = LLMEngine.from_options(dtype="float32", num_pages=24)
     tier = MemoryTier()
-    engine.attach_tier(tier)
+    connect(engine, tier)
     tier.write = lambda *args: None  # a tier that keeps nothing
     assert run_both(engine) == reference
     stats = engine.stats()
@@ -121,10 +123,31 @@ def test_without_the_blocks_in_the_tier_it_recomputes_once_and_is_not_parked_aga
 def test_the_offline_llm_loads_a_preempted_requests_lost_blocks_back_too(reference):
     llm = LLM(dtype="float32", num_pages=24)
     tier = MemoryTier()
-    llm.engine.attach_tier(tier)
+    connect(llm.engine, tier)
     answers = llm.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)
     assert [o.outputs[0].token_ids for o in answers] == reference
     stats = llm.stats()
     assert stats["num_preemptions"] >= 1 and stats["tier_reloaded_tokens"] >= 16
     assert not llm.engine.has_unfinished_requests()
     llm.engine.block_manager.check_invariants()
+
+
+def test_the_tier_offers_tokens_without_taking_pages_and_adopting_them_extends_the_prefix_match():
+    tier = MemoryTier()
+    writer = LLMEngine.from_options(dtype="float32", num_pages=64)
+    connect(writer, tier)
+    writer.add_request(EngineRequest("written", PROMPTS[0], sampling=SamplingParams(max_tokens=1)))
+    while writer.has_unfinished_requests():
+        writer.step()
+    reader = LLMEngine.from_options(dtype="float32", num_pages=64)
+    connector, bm = connect(reader, tier), reader.block_manager
+    seq = reader.prepare_request(EngineRequest("read", PROMPTS[0], sampling=PARAMS)).seq
+    local = bm.match_prefix(seq)
+    pages = (bm.num_free_pages, bm.num_cached_pages)
+    offered = connector.offer(seq, local)
+    # The tier serves every full block but the one holding the last prompt token, and offering takes no page.
+    assert local.num_tokens == 0 and offered == (len(PROMPTS[0]) - 1) // 16 * 16
+    assert (bm.num_free_pages, bm.num_cached_pages) == pages and bm.fits(seq, local)
+    extended = connector.adopt(seq, local)
+    assert extended.num_tokens == offered and extended == bm.match_prefix(seq)
+    assert bm.allocate(seq, len(PROMPTS[0]) - offered, extended) and seq.num_cached_tokens == offered

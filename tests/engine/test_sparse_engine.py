@@ -9,6 +9,7 @@ import pytest
 
 from rayapp import LLM, SamplingParams
 from rayapp.engine.pages import OFFLOADED
+from rayapp.engine.request import EngineRequest
 from rayapp.sparse.evaluation import SCALED_SPARSE, needle_case
 
 # SmolLM2's 8K context scaled down from the 32K / 64K defaults.
@@ -51,11 +52,11 @@ def test_offload_moves_middle_pages_to_host_frees_device_pages_and_keeps_the_tok
 
     llm = LLM(dtype="float32", sparse=SCALED)
     engine = llm.engine
-    engine.add_request("long", prompt_token_ids=prompt, params=GREEDY)
+    engine.add_request(EngineRequest("long", prompt, sampling=GREEDY))
     seq = engine._requests["long"].seq
     while not seq.output_token_ids:  # prefill, then the middle moves out
         engine.step()
-    policy = engine.sparse.policy
+    policy = engine.extension("sparse").policy
     middle = policy.num_middle_blocks(seq.num_computed_tokens + 1)
     offloaded = seq.block_table.count(OFFLOADED)
     assert middle > 10 and offloaded == middle * policy.pages_per_block
@@ -89,7 +90,7 @@ def test_an_unset_device_block_cache_holds_what_the_offloaded_sequences_that_fit
     llm = LLM(dtype="float32", sparse=sparse, num_pages=200, max_model_len=4096)
     # 200 pages hold 5 offloaded sequences (4 init, 32 window and 4 filling pages each); each selects the top
     # 20% of the 55 middle blocks of a 4096-token context, per layer and KV head.
-    assert llm.engine.runner.num_cache_blocks == 5 * math.ceil(0.2 * 55)
+    assert llm.engine.extension("sparse").num_cache_blocks == 5 * math.ceil(0.2 * 55)
     two = [prompts["offload"], prompts["offload"][40:]]
     outputs = llm.generate(prompt_token_ids=two, sampling_params=GREEDY)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [16, 16]

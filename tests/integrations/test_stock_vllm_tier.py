@@ -20,7 +20,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
 
 from rayapp.blocks import hash_blocks  # noqa: E402
 from rayapp.cli import main  # noqa: E402
-from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM  # noqa: E402
+from rayapp.vllm_ext.tier_protocol import LOADED_TOKENS_PARAM  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 128

@@ -13,6 +13,7 @@ import ray
 
 from rayapp import LLM, SamplingParams
 from rayapp.engine.pages import OFFLOADED
+from rayapp.engine.request import EngineRequest
 from rayapp.kvtier.embedded import stop_embedded_database
 from rayapp.sparse.evaluation import SCALED_SPARSE, needle_case
 
@@ -49,10 +50,10 @@ def test_a_resumed_offload_history_keeps_its_middle_in_host_memory_and_answers_a
 ):
     llm = LLM(dtype="float32", sparse=SPARSE, kvtier=tier_options)
     engine = llm.engine
-    request = engine.prepare_request("resumed", prompt_token_ids=history, params=GREEDY)
+    request = engine.prepare_request(EngineRequest("resumed", history, sampling=GREEDY))
     engine.tier.load_now(request.seq)
     seq = request.seq
-    policy = engine.sparse.policy
+    policy = engine.extension("sparse").policy
     middle = policy.num_middle_blocks(len(history) + 1)
     host_pages = middle * policy.pages_per_block
     assert middle > 40 and seq.host_pages == range(policy.init_pages, policy.init_pages + host_pages)
@@ -87,11 +88,11 @@ def test_a_resumed_history_whose_init_pages_were_evicted_before_admission_is_rec
 ):
     llm = LLM(dtype="float32", sparse=SPARSE, kvtier=tier_options)
     engine, bm = llm.engine, llm.engine.block_manager
-    request = engine.prepare_request("evicted", prompt_token_ids=history, params=GREEDY)
+    request = engine.prepare_request(EngineRequest("evicted", history, sampling=GREEDY))
     engine.tier.load_now(request.seq)
     seq = request.seq
     assert seq.host_pages
-    hog = engine.prepare_request("hog", prompt_token_ids=[1], params=GREEDY).seq
+    hog = engine.prepare_request(EngineRequest("hog", [1], sampling=GREEDY)).seq
     assert bm.allocate(hog, bm.num_free_pages * bm.block_size)  # every free page, the loaded ones included
     bm.free(hog)
     engine.enqueue(request)

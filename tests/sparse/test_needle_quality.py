@@ -26,14 +26,14 @@ def test_sparse_finds_the_needle_within_one_case_of_dense(tokenizer):
     dense_found = sparse_found = offloaded = 0
     for i, (n, depth) in enumerate(zip(LENGTHS, DEPTHS)):
         case = needle_case(tokenizer, n, depth, seed=100 + i)
-        llm.engine.use_sparse_config(dataclasses.replace(SCALED, enabled=False))
+        llm.engine.reconfigure(sparse=dataclasses.replace(SCALED, enabled=False))
         dense_found += case.found(
             llm.generate(prompt_token_ids=case.prompt_token_ids, sampling_params=params)[0].outputs[0].text
         )
-        llm.engine.use_sparse_config(SCALED)
+        llm.engine.reconfigure(sparse=SCALED)
         out = llm.generate(prompt_token_ids=case.prompt_token_ids, sampling_params=params)[0]
         sparse_found += case.found(out.outputs[0].text)
-        offloaded += llm.stats()["sparse_seqs_offload"]  # counters restart with each use_sparse_config
+        offloaded += llm.stats()["sparse_seqs_offload"]  # counters restart with each reconfigure
     # Cases from 2049 tokens on run with their middle in the host pool.
     assert offloaded == sum(n > 2100 for n in LENGTHS)
     assert dense_found >= len(LENGTHS) - 2, f"dense found only {dense_found}: the cases are too hard to judge by"
@@ -50,9 +50,9 @@ def test_layerwise_compression_at_its_defaults_finds_the_needle_at_4x_within_one
     params = SamplingParams(temperature=0.0, max_tokens=24)
     found = {}
     for name, config in (("dense", LayerwiseConfig()), ("layerwise", defaults)):
-        llm.engine.use_layerwise_config(config)  # each prompt is prefilled once: the second run hits its pages
+        llm.engine.reconfigure(layerwise=config)  # each prompt is prefilled once: the second run hits its pages
         outputs = llm.generate(prompt_token_ids=[c.prompt_token_ids for c in cases], sampling_params=params)
         found[name] = sum(c.found(o.outputs[0].text) for c, o in zip(cases, outputs))
-    assert llm.stats()["layerwise_compacted_seqs"] == len(cases)  # counters restart with use_layerwise_config
+    assert llm.stats()["layerwise_compacted_seqs"] == len(cases)  # counters restart with reconfigure
     assert found["dense"] >= len(cases) - 2, f"dense found only {found['dense']}: the cases are too hard to judge by"
     assert found["layerwise"] >= found["dense"] - 1, f"found {found} of {len(cases)}"

@@ -20,12 +20,12 @@ from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError  # 
 
 from rayapp.config import AppConfig  # noqa: E402
 from rayapp.deployments.engines import backend_class  # noqa: E402
-from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage  # noqa: E402
+from rayapp.drivers.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage  # noqa: E402
 from rayapp.engine.sampling_params import SamplingParams  # noqa: E402
 from rayapp.kernels import cpu  # noqa: E402
 from rayapp.kernels.cpu import CPUFeatures, detect, plan_for  # noqa: E402
-from rayapp.vllm_ext.connector import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM  # noqa: E402
 from rayapp.vllm_ext.engine import VLLMBackend, _EngineStats, engine_kwargs  # noqa: E402
+from rayapp.vllm_ext.tier_protocol import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM  # noqa: E402
 
 
 class FakeAsyncLLM:

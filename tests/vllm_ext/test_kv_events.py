@@ -30,8 +30,8 @@ from rayapp.blocks import BlockStored as RayappBlockStored  # noqa: E402
 from rayapp.prefix_router.actor import PrefixIndexService  # noqa: E402
 from rayapp.prefix_router.index import PrefixIndex  # noqa: E402
 from rayapp.prefix_router.publisher import KVEventPublisher  # noqa: E402
-from rayapp.vllm_ext.connector import TIER_MEDIUM  # noqa: E402
 from rayapp.vllm_ext.kv_events import VLLMKVEvents  # noqa: E402
+from rayapp.vllm_ext.tier_protocol import TIER_MEDIUM  # noqa: E402
 
 BS = 4
 MODEL = "m"

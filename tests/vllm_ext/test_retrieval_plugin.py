@@ -21,7 +21,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from rayapp.config import AppConfig, SparseConfig  # noqa: E402
-from rayapp.engine.backend import EngineRequest  # noqa: E402
+from rayapp.drivers.backend import EngineRequest  # noqa: E402
 from rayapp.engine.sampling_params import SamplingParams as RayappSamplingParams  # noqa: E402
 from rayapp.models.loader import resolve_model  # noqa: E402
 from rayapp.models.tokenizer import chat_token_ids, load_tokenizer  # noqa: E402

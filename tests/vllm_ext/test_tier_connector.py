@@ -32,13 +32,13 @@ from rayapp.kvtier.embedded import NAMESPACE, start_embedded_database, stop_embe
 from rayapp.kvtier.records import BlockLocation, BlockRow  # noqa: E402
 from rayapp.kvtier.store import store_name  # noqa: E402
 from rayapp.models.loader import DEFAULT_MODEL, resolve_model  # noqa: E402
-from rayapp.vllm_ext.connector import (  # noqa: E402
+from rayapp.vllm_ext.connector import kv_transfer_config  # noqa: E402
+from rayapp.vllm_ext.tier_protocol import (  # noqa: E402
     LOADED_TOKENS_PARAM,
     MISSED_TOKENS_PARAM,
     BlockRun,
     Load,
     TierSettings,
-    kv_transfer_config,
 )
 from rayapp.vllm_ext.tier_scheduler import TierScheduler  # noqa: E402
 from rayapp.vllm_ext.tier_worker import TierWorker  # noqa: E402

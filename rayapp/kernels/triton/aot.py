@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 
-from rayapp.kernels.triton import kernels
+import rayapp.kernels.triton.kernels as kernels
 from rayapp.kernels.triton.launch import as_mode, decode_meta, dot_precision, interpreting, merge_meta, score_meta
 
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32"}

@@ -18,8 +18,8 @@ from torch import Tensor
 from triton.backends.compiler import GPUTarget
 from triton.runtime.interpreter import InterpretedFunction
 
+import rayapp.kernels.triton.kernels as kernels
 from rayapp.kernels.retrieval import REPRESENTATIVE_ROWS
-from rayapp.kernels.triton import kernels
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)

@@ -10,6 +10,7 @@ cache (offload mode), and attend over init + selected + window pages. Prefill st
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -17,11 +18,10 @@ import torch
 from torch import Tensor
 
 from rayapp.config import EngineConfig
-from rayapp.engine.attention import DecodePlan, QueryCapture
+from rayapp.engine.attention import DecodeGroup, DenseDecode, StepInputs, StepPlan
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.pages import NULL_PAGE, OFFLOADED
 from rayapp.engine.sequence import Sequence
-from rayapp.engine.sparse_resume import HostResume
 from rayapp.kernels.attention import paged_decode_attention
 from rayapp.kernels.retrieval import (
     REPRESENTATIVE_ROWS,
@@ -31,11 +31,15 @@ from rayapp.kernels.retrieval import (
     select_topk_blocks,
     sparse_decode_attention,
 )
+from rayapp.models.loader import ModelSpec
 from rayapp.observability import Metric
 from rayapp.sparse.block_cache import DeviceBlockCache
 from rayapp.sparse.host_pool import HostBlockPool, copy_blocks_to_host
 from rayapp.sparse.metrics import ENGINE_METRICS
+from rayapp.sparse.plans import DecodePlan, SparseHooks
 from rayapp.sparse.policy import AttentionMode, RetrievalPolicy
+from rayapp.sparse.queries import QueryRing
+from rayapp.sparse.resume import HostResume
 
 
 @dataclass
@@ -50,7 +54,16 @@ class _SeqState:
 
 
 class SparseKV:
-    """Retrieval state of one engine's sequences; reads and writes the ModelRunner's KV pools."""
+    """Retrieval state of one engine's sequences; reads and writes the ModelRunner's KV pools. Registered as the
+    engine extension `sparse`; `resume` places resumed histories' middles in its host pool."""
+
+    @staticmethod
+    def reserved_pages(config: EngineConfig, spec: ModelSpec, num_pages: int) -> dict[str, int]:
+        """The device block cache of offloaded sequences, after the BlockManager's pages."""
+        policy = RetrievalPolicy(config.sparse, config.cache.block_size)
+        limit = config.model.max_model_len or spec.max_position_embeddings
+        blocks = policy.device_cache_blocks(limit, config.scheduler.max_num_seqs, num_pages)
+        return {"sparse_cache": blocks * policy.pages_per_block} if blocks else {}
 
     # Entry points run in inference mode (the ModelRunner's, for the others): tensors created in it
     # may only be updated in it.
@@ -71,10 +84,8 @@ class SparseKV:
         self.reps = torch.zeros(self.L, 0, self.max_blocks, self.Hkv, self.rep_rows, self.D, device=self.device)
         self.host_ids = torch.zeros(0, self.max_blocks, dtype=torch.int64, device=self.device)
         self.selection = torch.zeros(self.L, 0, self.Hkv, self.max_blocks, dtype=torch.int64, device=self.device)
-        self.W, self.Hq = self.cfg.scoring_queries, spec.num_heads
-        # Ring of each row's recent queries per layer, and which slots hold one.
-        self.queries = torch.zeros(self.L, 0, self.W, self.Hq, self.D, device=self.device)
-        self.query_valid = torch.zeros(0, self.W, dtype=torch.bool, device=self.device)
+        self.W = self.cfg.scoring_queries
+        self.queries = QueryRing(self.L, self.W, spec.num_heads, self.Hkv, self.D, self.device)
         rb = self.cfg.retrieval_block_size
         block_bytes = 2 * self.L * rb * self.Hkv * self.D * runner.dtype.itemsize
         self.pool = HostBlockPool(
@@ -83,11 +94,14 @@ class SparseKV:
             max(1, int(self.cfg.host_pool_memory_gb * 2**30) // block_bytes),
             pin=self.device.type == "cuda",
         )
+        region = runner.pool.region("sparse_cache")
+        # Retrieval blocks per layer and KV head the device block cache holds.
+        self.num_cache_blocks = region.num_pages // self.policy.pages_per_block
         self.cache = DeviceBlockCache(
             self.L,
             self.Hkv,
-            runner.num_cache_blocks,
-            runner.pool.region("sparse_cache").base,
+            self.num_cache_blocks,
+            region.base,
             self.policy.pages_per_block,
             0,
             self.max_blocks,
@@ -143,13 +157,11 @@ class SparseKV:
             extra = torch.zeros(self.L, new - old, self.Hkv, self.max_blocks, dtype=torch.int64, device=self.device)
             self.selection = torch.cat([self.selection, extra], 1)
             self.cache.grow_rows(new)
-            q_extra = torch.zeros(self.L, new - old, self.W, self.Hq, self.D, device=self.device)
-            self.queries = torch.cat([self.queries, q_extra], 1)
-            self.query_valid = torch.cat([self.query_valid, self.query_valid.new_zeros(new - old, self.W)])
+            self.queries.grow(new)
             self._free_rows = list(range(new - 1, old - 1, -1))
             self.rows_cap = new
         row = self._free_rows.pop()
-        self.query_valid[row] = False
+        self.queries.clear(row)
         return row
 
     # --- after each step: representations and offload -----------------------------------
@@ -209,7 +221,38 @@ class SparseKV:
 
     # --- decode ----------------------------------------------------------------------------
 
-    def plan(self, seqs: list[Sequence], tables: Tensor) -> DecodePlan | None:
+    def plan(self, step: StepInputs, decode_rows: list[int]) -> StepPlan | None:
+        """Takes every decode row given when one of them is in a retrieval mode (the dense ones as a dense group
+        of their own); keeps the scoring queries of the prefill rows and gives the host pages of resumed ones."""
+        nd, hooks = step.num_decodes, None
+        if nd < len(step.seqs):
+            prefills = step.seqs[nd:]
+            capture = self.queries.plan_capture(
+                [None if (st := self.state(s)).mode is AttentionMode.DENSE else st.row for s in prefills],
+                step.starts[nd:], step.num_new[nd:], [s.num_prompt_tokens for s in prefills],
+            )  # fmt: skip
+            host = self.resume.plan_prefill_host(prefills)
+            if capture is not None or host is not None:
+                hooks = SparseHooks(
+                    None if capture is None else functools.partial(self.queries.capture, cap=capture),
+                    None if host is None else functools.partial(self.resume.host_pages_kv, plan=host),
+                )
+        decode = None
+        if decode_rows:
+            rows = self._tensor(decode_rows)
+            decode = self.plan_decode([step.seqs[i] for i in decode_rows], step.tables[rows])
+        if decode is None:
+            return None if hooks is None else StepPlan(hooks)
+        groups = [DecodeGroup(rows[decode.sparse_idx], functools.partial(self.attend, plan=decode, scale=step.scale))]
+        if decode.dense_idx.numel():
+            dense = DenseDecode(decode.dense_table, decode.dense_ctx, step.scale)
+            groups.insert(0, DecodeGroup(rows[decode.dense_idx], dense))
+        return StepPlan(hooks, groups, decode_rows)
+
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> None:
+        """A retrieval-mode sequence's pages are the BlockManager's (offloaded ones only marked in its table)."""
+
+    def plan_decode(self, seqs: list[Sequence], tables: Tensor) -> DecodePlan | None:
         """The sparse plan for decode rows `seqs` (whose page tables are `tables`' first rows), or None
         when every one of them is dense (then the engine runs exactly its dense path)."""
         states = [self.state(s) for s in seqs]
@@ -237,7 +280,7 @@ class SparseKV:
             ctxs.append(ctx)
         rows = self._tensor([states[i].row for i in sparse])
         query_slots = (self._tensor(ctxs) - 1) % self.W
-        self.query_valid[rows, query_slots] = True
+        self.queries.mark(rows, query_slots)
         n_max = max(mids)
         width = max(map(len, fixed))
         sparse_t = self._tensor(sparse)
@@ -267,31 +310,6 @@ class SparseKV:
             any_offload=any(states[i].mode is AttentionMode.OFFLOAD for i in sparse),
             any_reselect=any(due),
         )
-
-    def plan_capture(self, seqs: list[Sequence], starts: list[int], num_new: list[int]) -> QueryCapture | None:
-        """Which of this step's prefill queries to keep: those of each sparse prompt's last tokens."""
-        if self.W == 1:
-            return None  # the decode query alone scores
-        src, rows, slots = [], [], []
-        offset = 0
-        for seq, start, n in zip(seqs, starts, num_new):
-            st = self.state(seq)
-            first = max(start, seq.num_prompt_tokens - self.W)
-            if st.mode is not AttentionMode.DENSE and first < start + n:
-                positions = range(first, start + n)
-                src.extend(offset + pos - start for pos in positions)
-                rows.extend([st.row] * len(positions))
-                slots.extend(pos % self.W for pos in positions)
-            offset += n
-        if not src:
-            return None
-        cap = QueryCapture(self._tensor(src), self._tensor(rows), self._tensor(slots))
-        self.query_valid[cap.rows, cap.slots] = True
-        return cap
-
-    def capture(self, layer: int, q: Tensor, cap: QueryCapture) -> None:
-        """Keep the captured prefill queries of `layer`. q: [T, Hq, D], the step's prefill queries."""
-        self.queries[layer, cap.rows, cap.slots] = q[cap.src].float()
 
     def attend(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: DecodePlan, scale: float) -> Tensor:
         """Attention of the sparse decode rows at `layer`. q: [Bs, Hq, D] -> [Bs, Hq, D]."""
@@ -335,7 +353,9 @@ class SparseKV:
         else:
             n_max = plan.middle_pages.shape[1]
             scores = score_blocks(
-                self._scoring_queries(layer, q, plan), self.reps[layer, plan.rows, :n_max], self.cfg.representation
+                self.queries.scoring_queries(layer, q, plan.rows, plan.query_slots),
+                self.reps[layer, plan.rows, :n_max],
+                self.cfg.representation,
             )
         blocks, valid = select_topk_blocks(scores, plan.num_middle, plan.num_selected)
         if self.cfg.retrieval_stride > 1:
@@ -343,18 +363,6 @@ class SparseKV:
                 blocks = torch.where(plan.reselect[:, None, None], blocks, stored)
             self.selection[layer, plan.rows, :, :K] = blocks
         return blocks, valid
-
-    def _scoring_queries(self, layer: int, q: Tensor, plan: DecodePlan) -> Tensor:
-        """q [Bs, Hq, D] and the rows' recent queries as extra query heads: [Bs, Hkv * W * G, D]."""
-        if self.W == 1:
-            return q
-        Bs, G = q.shape[0], self.Hq // self.Hkv
-        self.queries[layer, plan.rows, plan.query_slots] = q.float()
-        recent = self.queries[layer, plan.rows]  # [Bs, W, Hq, D]
-        # A slot never filled (a prompt's prefix came from cache) repeats the current query instead.
-        valid = self.query_valid[plan.rows][:, :, None, None]
-        recent = torch.where(valid, recent, q.float()[:, None])
-        return recent.view(Bs, self.W, self.Hkv, G, self.D).transpose(1, 2).reshape(Bs, -1, self.D)
 
     def metrics(self) -> tuple[Metric, ...]:
         return ENGINE_METRICS
@@ -369,7 +377,7 @@ class SparseKV:
             "sparse_running_offload": running.count(AttentionMode.OFFLOAD),
             "sparse_cache_hits": cs.hits,
             "sparse_cache_misses": cs.misses,
-            "sparse_device_cache_pages": self.runner.num_cache_blocks * self.policy.pages_per_block,
+            "sparse_device_cache_pages": self.num_cache_blocks * self.policy.pages_per_block,
             "sparse_host_pages_held": self.pool.num_used * self.policy.pages_per_block,
         }
 

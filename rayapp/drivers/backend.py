@@ -1,5 +1,7 @@
 """The engine interface `LLMReplica` serves: one protocol, implemented by rayapp's engine and by vLLM.
 
+Requests come in as `rayapp.engine.request.EngineRequest`.
+
 A backend streams each request as typed deltas, aborts requests, reports stats under rayapp's
 metric names, and reports its prefix cache as rayapp KV events (block hashes chained the way the
 ingress hashes a prompt, so the prefix router can match them). `rayapp.deployments.engines`
@@ -10,37 +12,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from rayapp.blocks import BlockHash, KVEvent
+from rayapp.blocks import KVEvent
 from rayapp.engine.outputs import TokenLogprob
-from rayapp.engine.sampling_params import SamplingParams
+from rayapp.engine.request import EngineRequest
 from rayapp.observability import Metric
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """One request as a backend receives it: tokenized and hashed once, by the ingress.
-
-    Request routers read it before it leaves the ingress: rayapp's `PrefixAwareRouter` reads
-    `block_hashes` and `prompt_token_ids`; text-trie routers (Ray Serve LLM's
-    `PrefixCacheAffinityRouter`) read `prompt`.
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    # The hash chain of the prompt's full blocks, salted by tenant (equal to the replica's own).
-    block_hashes: list[BlockHash]
-    # Derived from the tenant (a hash, never the API key itself): tenants never share KV pages.
-    cache_salt: str
-    sampling: SamplingParams
-    # What the client sent: the prompt text (or token ids), or the chat messages.
-    prompt: str | list[int] | list[dict[str, Any]]
-    # A moved request: the last `delivered_tokens` prompt tokens are output another replica already streamed,
-    # with `delivered_chars` characters of text. The backend reads their text again (held-back text and stop
-    # strings spanning the cut come out as if the answer had not moved) and streams only what follows.
-    delivered_tokens: int = 0
-    delivered_chars: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,6 +26,21 @@ class Usage:
     completion_tokens: int
     # Prompt tokens whose KV came from a cache (the engine's own count) instead of being computed.
     cached_tokens: int
+
+
+class UsageTally:
+    """A request's usage, counted over the deltas it streams: where every backend and the ingress make `Usage`."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
+
+    def add(self, token_ids: list[int]) -> None:
+        self.completion_tokens += len(token_ids)
+
+    def usage(self, cached_tokens: int) -> Usage:
+        """The usage so far; cached tokens past the prompt (a moved answer's prompt holds output too) count as
+        the prompt."""
+        return Usage(self.prompt_tokens, self.completion_tokens, min(cached_tokens, self.prompt_tokens))
 
 
 @dataclass(frozen=True)

@@ -12,27 +12,48 @@ sequence offloaded after a local prefill.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
+from rayapp.config import SparseConfig
 from rayapp.engine.pages import OFFLOADED
 from rayapp.engine.sequence import Sequence
 from rayapp.kernels.retrieval import block_representation
-from rayapp.sparse.policy import AttentionMode
+from rayapp.sparse.host_pool import HostBlockPool
+from rayapp.sparse.policy import AttentionMode, RetrievalPolicy
 
 if TYPE_CHECKING:
-    from rayapp.engine.sparse_kv import SparseKV
-    from rayapp.engine.tier_connector import TierBlock
+    from rayapp.kvtier.connector import TierBlock
 
 logger = logging.getLogger(__name__)
 
 
-class HostResume:
-    """Puts resumed histories' middles into one engine's `SparseKV` host pool (its state, its counters)."""
+class RetrievalStore(Protocol):
+    """What a resume reads and writes of one engine's `SparseKV`: its host pool, its representation store and
+    its per-sequence state."""
 
-    def __init__(self, sparse: SparseKV) -> None:
+    cfg: SparseConfig
+    policy: RetrievalPolicy
+    pool: HostBlockPool
+    reps: Tensor  # [L, rows, max_blocks, Hkv, rep_rows, D]
+    host_ids: Tensor  # [rows, max_blocks]
+    rep_rows: int
+    L: int
+    Hkv: int
+    D: int
+    device: torch.device
+    counters: dict[str, int]
+
+    def state(self, seq: Sequence) -> Any: ...
+
+
+class HostResume:
+    """Puts resumed histories' middles into one engine's `SparseKV` host pool (its state, its counters): the
+    cluster tier connector's `HostPlacement`."""
+
+    def __init__(self, sparse: RetrievalStore) -> None:
         self.sparse = sparse
 
     def host_range(self, seq: Sequence, start: int, num_pages: int) -> range:

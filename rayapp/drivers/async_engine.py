@@ -12,12 +12,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from rayapp.blocks import BlockHash, KVEvent
+from rayapp.blocks import KVEvent
 from rayapp.config import EngineConfig
-from rayapp.engine.engine_loop import EngineLoop
+from rayapp.drivers.loop import EngineLoop
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import RequestOutput
-from rayapp.engine.sampling_params import SamplingParams
+from rayapp.engine.request import EngineRequest
 from rayapp.observability import Metric
 
 _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
@@ -37,31 +37,20 @@ class AsyncLLMEngine:
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
         return cls(LLMEngine(config))
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        params: SamplingParams | None = None,
-        prompt_token_ids: list[int] | None = None,
-        cache_salt: str = "",
-        block_hashes: list[BlockHash] | None = None,
-        delivered_tokens: int = 0,
-        delivered_chars: int | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs until it finishes.
 
         Bad input raises ValueError before anything is queued. Leaving the iterator early (the
         client went away, the task was cancelled) aborts the request and frees its pages.
         """
+        request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        # Validation and tokenization happen here, on the caller's thread, so errors reach the caller.
-        request = self.engine.prepare_request(
-            request_id, prompt, params, prompt_token_ids, cache_salt, block_hashes, delivered_tokens, delivered_chars
-        )
+        # Validation happens here, on the caller's thread, so errors reach the caller.
+        prepared = self.engine.prepare_request(request)
         out_queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
-        self._loop.add(request)
+        self._loop.add(prepared)
         finished = False
         try:
             while not finished:

@@ -5,14 +5,12 @@ the replica's other Python threads (Ray Serve's per-token serialization and even
 slower on the CPU it got. Here the child owns the `LLMEngine` and its `EngineLoop`; the parent
 keeps only pipes and streams.
 
-Over one duplex pipe (pickled tuples):
-- parent → child: `("add", request_id, kwargs)` (the arguments of `LLMEngine.prepare_request`),
-  `("abort", request_id)`, `("call", call_id, name)` for `stats`, `metrics`, `take_kv_events`,
-  `kv_snapshot` and `flush_tier`, and `("shutdown",)`;
-- child → parent: `("ready",)` or `("failed", message)` once at start, then one `("outputs", [(request_id,
-  GenerateDelta), ...])` per step, `("rejected", request_id, message)` for a request `prepare_request`
-  refused (a ValueError the client caused), `("ended", message, request_ids)` for requests an engine
-  failure ended, and `("reply", call_id, ok, value)`.
+Over one duplex pipe, the dataclasses of `rayapp.drivers.messages`:
+- parent → child: `AddRequest` (the `EngineRequest` itself), `AbortRequest`, `Call` (for `abort`, `stats`,
+  `metrics`, `take_kv_events`, `kv_snapshot` and `flush_tier`) and `Shutdown`;
+- child → parent: `Started` once, then one `Outputs` per step, `Rejected` for a request `prepare_request`
+  refused (the ValueError the client caused, pickled whole: a `LimitError` keeps its `param` and `code`),
+  `Ended` for requests an engine failure ended, and a `Reply` per `Call`.
 
 The child reads the pipe on its main thread and leaves when it closes (the parent exited or was
 killed): no engine outlives its replica. A child that dies makes every open stream and call raise
@@ -38,10 +36,22 @@ import torch
 
 from rayapp.blocks import KVEvent
 from rayapp.config import EngineConfig
-from rayapp.engine.backend import EngineDeadError, EngineRequest, GenerateDelta, Usage
-from rayapp.engine.engine_loop import EngineLoop
+from rayapp.drivers.backend import EngineDeadError, GenerateDelta, UsageTally
+from rayapp.drivers.loop import EngineLoop
+from rayapp.drivers.messages import (
+    AbortRequest,
+    AddRequest,
+    Call,
+    Ended,
+    Outputs,
+    Rejected,
+    Reply,
+    Shutdown,
+    Started,
+)  # fmt: skip
 from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.outputs import RequestOutput
+from rayapp.engine.request import EngineRequest
 from rayapp.observability import Metric
 
 logger = logging.getLogger(__name__)
@@ -75,12 +85,12 @@ class EngineProcess:
         self._process.start()
         child_conn.close()
         try:
-            first = self._conn.recv()
+            started = self._conn.recv()
         except EOFError:
-            first = ("failed", f"the engine process exited with code {self._process.exitcode} while starting")
-        if first[0] != "ready":
+            started = Started(f"the engine process exited with code {self._process.exitcode} while starting")
+        if started.error is not None:
             self._process.join(timeout=10)
-            raise RuntimeError(f"rayapp's engine did not start: {first[1]}")
+            raise RuntimeError(f"rayapp's engine did not start: {started.error}")
         self._send_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}
@@ -91,7 +101,8 @@ class EngineProcess:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
         """Stream one request until its last delta (the one with usage). A request the engine refuses raises
-        ValueError; leaving early aborts it and frees its pages."""
+        the engine's ValueError (a `LimitError` with its `param` and `code`); leaving early aborts it and frees
+        its pages."""
         request_id = request.request_id
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -99,7 +110,7 @@ class EngineProcess:
         self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
         finished = False
         try:
-            self._send(("add", request_id, _prepare_kwargs(request)))
+            self._send(AddRequest(request))
             while not finished:
                 item = await out_queue.get()
                 if isinstance(item, BaseException):
@@ -110,7 +121,7 @@ class EngineProcess:
         finally:
             self._streams.pop(request_id, None)
             if not finished and self._dead is None:
-                self._send(("abort", request_id))
+                self._send(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once its pages are freed. Its stream ends with finish_reason 'abort'."""
@@ -140,7 +151,7 @@ class EngineProcess:
     def shutdown(self) -> None:
         """Stop the child (its running requests fail); kill it if it does not stop within 30 s."""
         with contextlib.suppress(EngineDeadError):
-            self._send(("shutdown",))
+            self._send(Shutdown())
         self._process.join(timeout=30)
         if self._process.is_alive():
             self._process.kill()
@@ -152,10 +163,10 @@ class EngineProcess:
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = done
-        self._send(("call", call_id, name, *args))
+        self._send(Call(call_id, name, args))
         return await asyncio.wrap_future(done)
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: AddRequest | AbortRequest | Call | Shutdown) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         try:
@@ -171,18 +182,15 @@ class EngineProcess:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            kind = message[0]
-            if kind == "outputs":
-                self._route(message[1])
-            elif kind == "reply":
-                _, call_id, ok, value = message
-                done = self._calls.pop(call_id)
-                done.set_result(value) if ok else done.set_exception(value)
-            elif kind == "rejected":
-                self._route([(message[1], ValueError(message[2]))])
-            elif kind == "ended":
-                _, reason, request_ids = message
-                self._route([(request_id, RuntimeError(reason)) for request_id in request_ids])
+            if isinstance(message, Outputs):
+                self._route(message.deltas)
+            elif isinstance(message, Reply):
+                done = self._calls.pop(message.call_id)
+                done.set_result(message.value) if message.error is None else done.set_exception(message.error)
+            elif isinstance(message, Rejected):
+                self._route([(message.request_id, message.error)])
+            elif isinstance(message, Ended):
+                self._route([(request_id, RuntimeError(message.reason)) for request_id in message.request_ids])
         code = self._process.exitcode
         self._dead = f"rayapp's engine process exited (code {code})" if code else "rayapp's engine process stopped"
         error = EngineDeadError(self._dead)
@@ -206,33 +214,21 @@ def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
         out_queue.put_nowait(item)
 
 
-def _prepare_kwargs(request: EngineRequest) -> dict[str, Any]:
-    return {
-        "params": request.sampling,
-        "prompt_token_ids": request.prompt_token_ids,
-        "cache_salt": request.cache_salt,
-        "block_hashes": request.block_hashes,
-        "delivered_tokens": request.delivered_tokens,
-        "delivered_chars": request.delivered_chars,
-    }
-
-
 class _Deltas:
-    """The child's side of `GenerateDelta`: a request's generated tokens counted over its outputs (all its
-    answers), for the usage on its last delta."""
+    """The child's side of `GenerateDelta`: each request's usage tallied over its outputs (all its answers), for
+    its last delta."""
 
     def __init__(self) -> None:
-        self._generated: dict[str, int] = {}
+        self._tallies: dict[str, UsageTally] = {}
 
     def __call__(self, out: RequestOutput) -> tuple[str, GenerateDelta]:
         completion = out.outputs[0]  # the answer that progressed
-        generated = self._generated.get(out.request_id, 0) + len(completion.delta_token_ids)
+        tally = self._tallies.setdefault(out.request_id, UsageTally(len(out.prompt_token_ids)))
+        tally.add(completion.delta_token_ids)
         usage = None
         if out.finished:
-            self._generated.pop(out.request_id, None)
-            usage = Usage(len(out.prompt_token_ids), generated, out.num_cached_tokens)
-        else:
-            self._generated[out.request_id] = generated
+            del self._tallies[out.request_id]
+            usage = tally.usage(out.num_cached_tokens)
         delta = GenerateDelta(
             completion.delta_text, completion.delta_token_ids, completion.finish_reason, usage,
             completion.delta_logprobs, completion.index,
@@ -242,7 +238,7 @@ class _Deltas:
     def forget(self, request_ids: list[str]) -> None:
         """Requests an engine failure ended: no last output comes for them."""
         for request_id in request_ids:
-            self._generated.pop(request_id, None)
+            self._tallies.pop(request_id, None)
 
 
 def _name_process(name: str) -> None:
@@ -256,7 +252,7 @@ def _child_main(conn: Connection, config: EngineConfig, setup: Setup | None, num
     torch.set_num_threads(num_threads)
     send_lock = threading.Lock()
 
-    def send(message: tuple) -> None:
+    def send(message: Started | Outputs | Rejected | Ended | Reply) -> None:
         with send_lock, contextlib.suppress(OSError):  # OSError: the parent is gone, and this process exits
             conn.send(message)
 
@@ -265,15 +261,15 @@ def _child_main(conn: Connection, config: EngineConfig, setup: Setup | None, num
         attachment = setup(engine) if setup is not None else None
     except Exception as error:
         logger.exception("rayapp's engine did not start")
-        send(("failed", f"{type(error).__name__}: {error}"))
+        send(Started(f"{type(error).__name__}: {error}"))
         return
     deltas = _Deltas()
 
     def end(error: BaseException, request_ids: list[str]) -> None:
         deltas.forget(request_ids)
-        send(("ended", str(error), request_ids))
+        send(Ended(str(error), request_ids))
 
-    loop = EngineLoop(engine, deliver=lambda outputs: send(("outputs", [deltas(out) for out in outputs])), fail=end)
+    loop = EngineLoop(engine, deliver=lambda outputs: send(Outputs([deltas(out) for out in outputs])), fail=end)
     flusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rayapp-engine-flush")
     calls: dict[str, Callable[..., concurrent.futures.Future[Any]]] = {
         "abort": loop.abort,
@@ -287,28 +283,26 @@ def _child_main(conn: Connection, config: EngineConfig, setup: Setup | None, num
 
     def reply(call_id: int, done: concurrent.futures.Future[Any]) -> None:
         error = done.exception()
-        send(("reply", call_id, error is None, done.result() if error is None else error))
+        send(Reply(call_id, error=error) if error is not None else Reply(call_id, done.result()))
 
-    send(("ready",))
+    send(Started())
     try:
         while True:
             try:
                 message = conn.recv()
             except (EOFError, OSError):  # the parent is gone
                 break
-            kind = message[0]
-            if kind == "add":
-                _, request_id, kwargs = message
+            if isinstance(message, AddRequest):
                 try:
-                    loop.add(engine.prepare_request(request_id, **kwargs))
+                    loop.add(engine.prepare_request(message.request))
                 except ValueError as error:
-                    send(("rejected", request_id, str(error)))
-            elif kind == "abort":
-                loop.abort(message[1])
-            elif kind == "call":
-                _, call_id, name, *args = message
-                calls[name](*args).add_done_callback(lambda done, call_id=call_id: reply(call_id, done))
-            elif kind == "shutdown":
+                    send(Rejected(message.request.request_id, error))
+            elif isinstance(message, AbortRequest):
+                loop.abort(message.request_id)
+            elif isinstance(message, Call):
+                done = calls[message.name](*message.args)
+                done.add_done_callback(lambda done, call_id=message.call_id: reply(call_id, done))
+            elif isinstance(message, Shutdown):
                 break
     finally:
         loop.shutdown()

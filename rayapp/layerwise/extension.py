@@ -24,10 +24,12 @@ import torch
 from torch import Tensor
 
 from rayapp.config import EngineConfig
+from rayapp.engine.attention import DecodeGroup, HostPages, StepInputs, StepPlan
 from rayapp.engine.block_manager import BlockManager
 from rayapp.engine.sequence import Sequence
 from rayapp.kernels.attention import paged_decode_attention, paged_prefill_attention
 from rayapp.kernels.snapkv import pyramid_budgets, select_tokens, snapkv_scores
+from rayapp.models.loader import ModelSpec
 from rayapp.observability import Metric, counters, gauges
 
 METRICS = counters(
@@ -88,10 +90,37 @@ class LayerwisePlan:
     slots: Tensor | None = None  # [L, T] flat slot of every token of the step, per layer
 
 
-class LayerwiseKV:
-    """Layer-wise compression state of one engine's sequences; reads and writes the ModelRunner's KV pools."""
+class _LayerwiseHooks:
+    """Inside each layer of a step: compacted rows store into their own slots; compressed layers keep the
+    window rows' queries and log-sum-exp after the prefill."""
 
-    def __init__(self, config: EngineConfig, runner, block_manager: BlockManager) -> None:
+    def __init__(self, layerwise: LayerwiseKV, plan: LayerwisePlan, scale: float) -> None:
+        self.layerwise, self.plan, self.scale = layerwise, plan, scale
+
+    def store(self, layer: int, k: Tensor, v: Tensor) -> bool:
+        if self.plan.slots is None:
+            return False
+        self.layerwise.store(layer, k, v, self.plan)
+        return True
+
+    def prefill_queries(self, layer: int, q: Tensor) -> HostPages | None:
+        return None
+
+    def after_prefill(self, layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor) -> None:
+        if self.plan.capture is not None and layer >= self.layerwise.Lf:
+            self.layerwise.capture(layer, q, k_cache, v_cache, out, self.plan.capture, self.scale)
+
+
+class LayerwiseKV:
+    """Layer-wise compression state of one engine's sequences; reads and writes the ModelRunner's KV pools.
+    Registered as the engine extension `layerwise`."""
+
+    @staticmethod
+    def reserved_pages(config: EngineConfig, spec: ModelSpec, num_pages: int) -> dict[str, int]:
+        """None: compacted sequences take their carrier pages from the BlockManager's pool."""
+        return {}
+
+    def __init__(self, config: EngineConfig, runner, block_manager: BlockManager, max_model_len: int) -> None:
         self.cfg = config.layerwise
         spec = runner.spec
         self.L, self.Hq, self.Hkv, self.D = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -131,25 +160,28 @@ class LayerwiseKV:
 
     # --- plans -----------------------------------------------------------------------------
 
-    def plan(
-        self,
-        seqs: list[Sequence],
-        num_decodes: int,
-        starts: list[int],
-        num_new: list[int],
-        tables: Tensor,
-        slot_mapping: Tensor,
-        comp: list[int],
-    ) -> LayerwisePlan | None:
-        """The step's plan (None when no row is compacted and no prefill row is in a window).
-
-        `tables` are the sequences' page tables as the step built them, `slot_mapping` [T] each
-        token's slot within one layer, `comp` the compacted decode rows.
-        """
-        plan = LayerwisePlan(self._plan_capture(seqs, num_decodes, starts, num_new, tables))
+    def plan(self, step: StepInputs, decode_rows: list[int]) -> StepPlan | None:
+        """Takes the decode rows of compacted sequences, which store into and attend over their own slots; the
+        prefill rows in an observation window keep their queries and log-sum-exp (None when neither happens)."""
+        comp = [i for i in decode_rows if step.seqs[i].compacted]
+        plan = LayerwisePlan(self._plan_capture(step.seqs, step.num_decodes, step.starts, step.num_new, step.tables))
         if comp:
-            self._plan_compacted(plan, seqs, comp, slot_mapping)
-        return None if plan.capture is None and plan.compact_idx is None else plan
+            self._plan_compacted(plan, step.seqs, comp, step.slot_mapping)
+        elif plan.capture is None:
+            return None
+        hooks = _LayerwiseHooks(self, plan, step.scale)
+        if not comp:
+            return StepPlan(hooks)
+
+        def attend(layer: int, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+            return self.attend(layer, q, plan, step.scale)  # over their own slots, not the shared pages
+
+        return StepPlan(hooks, [DecodeGroup(plan.compact_idx, attend)], comp)
+
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> bool | None:
+        """Room in every layer's slots for a compacted sequence (`grow`); None for the others, whose pages are
+        the BlockManager's."""
+        return self.grow(seq, num_new_tokens) if seq.compacted else None
 
     def _plan_compacted(self, plan: LayerwisePlan, seqs: list[Sequence], comp: list[int], slot_mapping: Tensor) -> None:
         bs = self.bs
@@ -267,7 +299,7 @@ class LayerwiseKV:
                 self._compact(seq, self._captures.pop(seq.seq_id))
 
     @torch.inference_mode()
-    def reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Give compacted `seq` the slots for `num_new_tokens` more tokens in every layer, taking pool pages
         as needed; False (nothing taken) when the pool has too few free pages."""
         st = self._compacted[seq.seq_id]

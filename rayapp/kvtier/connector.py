@@ -8,17 +8,20 @@ Modelled on vLLM's `KVConnectorBase_V1` and its `WAITING_FOR_REMOTE_KVS` status.
   to `TierPort.write`, which only queues it: encoding, the catalog and the object store happen on the tier's
   own thread, never on the decode path.
 - Load at admission: right after its prefix match of the queue's front sequence (fresh, or preempted and
-  readmitted), the scheduler calls `admit`. When the tier may continue the local prefix and was not asked
+  readmitted), the scheduler asks `offer`. When the tier may continue the local prefix and was not asked
   for this sequence in this state yet, the blocks are fetched (`TierPort.fetch`: the catalog, then the
   object stores) on the connector's executor while the sequence waits in `WAITING_FOR_TIER`, out of the
   queue, so the steps go on; offline (no executor) they are fetched inline. A finished load puts the
-  sequence back at the queue's front.
+  sequence back at the queue's front, where `offer` counts its fetched tokens; the scheduler lets the
+  BlockManager decide room (`BlockManager.fits`) and then has them adopted (`adopt`).
 
-What the connector guarantees: fetched blocks are installed into cached pages (`install`) in the admission
-step that allocates the sequence's pages, and only once the pool has room for the whole sequence, so no step
-evicts them before the admission that uses them; it asks the tier again for a sequence only after a
-preemption made the local cache lose more of it, never twice for the same local prefix; and a failing tier
-is a miss (the prompt is computed), never an error.
+What the connector guarantees: fetched blocks are installed into cached pages only by `adopt`, which the
+scheduler calls in the admission step that allocates the sequence's pages, once the pool has room for the
+whole sequence, so no step evicts them before the admission that uses them; it asks the tier again for a
+sequence only after a preemption made the local cache lose more of it, never twice for the same local
+prefix; and a failing tier is a miss (the prompt is computed), never an error. The middle of a long history
+that sparse retrieval would offload goes to the host pool instead of device pages when a `HostPlacement` is
+given (sparse retrieval's `HostResume`).
 """
 
 from __future__ import annotations
@@ -29,17 +32,20 @@ import queue
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from rayapp.blocks import BlockHash, BlockRemoved, BlockStored
+from rayapp.engine.attention import StepInputs
 from rayapp.engine.block_manager import BlockManager
-from rayapp.engine.model_runner import ModelRunner
+from rayapp.engine.kv_pool import KVPool
 from rayapp.engine.pages import PrefixMatch
-from rayapp.engine.scheduler import Admission
 from rayapp.engine.sequence import Sequence
 from rayapp.observability import Metric, counters
+
+if TYPE_CHECKING:
+    from rayapp.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +98,18 @@ class TierPort(Protocol):
     def metrics(self) -> tuple[Metric, ...]: ...
 
 
+class HostPlacement(Protocol):
+    """Where a loaded history's middle goes when sparse retrieval would offload it (`rayapp.sparse.resume`)."""
+
+    def host_range(self, seq: Sequence, start: int, num_pages: int) -> range:
+        """The pages of `seq` that a load of its pages `[start, start + num_pages)` puts in the host pool."""
+        ...
+
+    def resume_to_host(self, seq: Sequence, pages: range, blocks: list[TierBlock]) -> bool:
+        """Put `blocks` (one per page of `pages`) in the host pool as `seq`'s offloaded middle; False when full."""
+        ...
+
+
 @dataclass(frozen=True)
 class TierAsk:
     """What a fetch needs of a sequence, copied on the engine thread: the fetch may run on another."""
@@ -115,14 +133,16 @@ class TierConnector:
     """Copies pages between one engine's KV pool and its `TierPort`; loads at admission. Engine thread only,
     except `fetch`. It is also a `KVExtension`: it counts the tokens its loads served after each step."""
 
-    def __init__(self, runner: ModelRunner, block_manager: BlockManager, tier: TierPort) -> None:
+    def __init__(
+        self, pool: KVPool, block_manager: BlockManager, tier: TierPort, placement: HostPlacement | None = None
+    ) -> None:
         if not block_manager.enable_prefix_caching:
             raise ValueError("the cluster KV tier needs enable_prefix_caching=True: tier blocks are cached pages")
-        self.runner = runner
+        self.pool = pool
+        self.placement = placement
         self.block_manager = block_manager
         self.tier = tier
         self.block_size = block_manager.block_size
-        block_manager.on_stored = self._write_through
         self._executor: concurrent.futures.Executor | None = None
         self._wake: Callable[[], None] = lambda: None
         self._finished: queue.SimpleQueue[TierLoad] = queue.SimpleQueue()
@@ -139,33 +159,45 @@ class TierConnector:
         """Fetch on `executor` from now on (the step loop's driver); `wake()` is called when a load finished."""
         self._executor, self._wake = executor, wake
 
+    def attach(self) -> None:
+        """Start writing full blocks through to the tier (`LLMEngine.attach_tier` calls it)."""
+        self.block_manager.on_stored = self._write_through
+
     def detach(self) -> None:
         """Stop writing through (the engine goes on without the tier)."""
         self.block_manager.on_stored = None
 
     # --- admission (the scheduler) ----------------------------------------------------------------------------
 
-    def admit(self, seq: Sequence, prefix: PrefixMatch) -> Admission:
-        """Called once per admission attempt of the queue's front sequence, right after its prefix match."""
-        load = self._fetched.pop(seq.seq_id, None)
+    def offer(self, seq: Sequence, prefix: PrefixMatch) -> int | None:
+        """Called once per admission attempt of the queue's front sequence, right after its prefix match: the
+        prompt tokens fetched blocks hold past `prefix` (0: none), or None while they are being fetched."""
+        load = self._fetched.get(seq.seq_id)
         if load is not None and load.ask.local_blocks * self.block_size != prefix.num_tokens:
-            load = None  # the local cache changed while the load waited: ask again for what it holds now
+            # The local cache changed while the load waited: ask again for what it holds now.
+            del self._fetched[seq.seq_id]
+            load = None
         if load is None:
             if not self._worth_asking(seq, prefix):
-                return Admission.PROCEED
+                return 0
             ask = self.ask(seq, prefix)
             if self._executor is not None:
                 self._loading[seq.seq_id] = seq
                 self._executor.submit(self._fetch_in_background, ask)
-                return Admission.LOADING
-            load = self.fetch(ask)
+                return None
+            load = self._fetched[seq.seq_id] = self.fetch(ask)
         if not load.blocks:
-            return Admission.PROCEED
-        if not self._has_room(seq, prefix):
-            self._fetched[seq.seq_id] = load
-            return Admission.HOLD
+            del self._fetched[seq.seq_id]
+        return len(load.blocks) * self.block_size
+
+    def adopt(self, seq: Sequence, prefix: PrefixMatch) -> PrefixMatch:
+        """Install the blocks `offer` counted (once the BlockManager made room for the whole sequence); returns
+        the prefix match extended over them."""
+        load = self._fetched.pop(seq.seq_id, None)
+        if load is None:
+            return prefix
         self.install(seq, load, prefix)
-        return Admission.INSTALLED
+        return self.block_manager.match_prefix(seq, prefix)
 
     def take_finished(self) -> list[Sequence]:
         """The sequences whose load finished since the last call (not those aborted meanwhile), their blocks
@@ -211,12 +243,12 @@ class TierConnector:
         Stops at a block whose shape or dtype differ from this engine's pages (another dtype's K/V would change
         the output) or that is no longer the one `seq` needs; installs nothing when the local cache changed
         since the ask. The middle of a prompt that sparse retrieval offloads goes straight to the host pool
-        (`SparseKV.resume.host_range`): only its init and window pages take device pages.
+        (the `HostPlacement`): only its init and window pages take device pages.
         """
         bs, start, blocks = self.block_size, load.ask.local_blocks, load.blocks
         if not blocks or local.num_tokens != start * bs:
             return (0, 0)
-        pool = self.runner.pool
+        pool = self.pool
         usable: list[TierBlock] = []
         for i, block in enumerate(blocks, start=start):
             fits = tuple(block.key.shape) == pool.page_shape and block.key.dtype == pool.k.dtype
@@ -224,13 +256,13 @@ class TierConnector:
                 break
             usable.append(block)
         parent = seq.block_hashes[start - 1] if start else None
-        sparse = self.runner.sparse
-        host = range(0) if sparse is None else sparse.resume.host_range(seq, start, len(usable))
+        placement = self.placement
+        host = range(0) if placement is None else placement.host_range(seq, start, len(usable))
         head = self._adopt(usable[: host.start - start] if host else usable, parent, local.page_ids)
         end = start + len(head)
         if host and len(head) == host.start - start:
             middle = usable[host.start - start : host.stop - start]
-            if sparse.resume.resume_to_host(seq, host, middle):
+            if placement.resume_to_host(seq, host, middle):
                 tail = self._adopt(usable[host.stop - start :], middle[-1].block_hash, (*local.page_ids, *head))
                 end = host.stop + len(tail)
         self._installed[seq.seq_id] = (start * bs, end * bs)
@@ -250,8 +282,14 @@ class TierConnector:
     def keeps_own_layout(self, seq: Sequence) -> bool:
         return False
 
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> None:
+        """The BlockManager holds every page a load fills."""
+
     def begin_step(self) -> None:
         """Nothing to prepare: loads are installed at admission."""
+
+    def plan(self, step: StepInputs, decode_rows: list[int]) -> None:
+        """Nothing in the step's attention: loaded blocks are ordinary cached pages."""
 
     def after_step(self, seqs: list[Sequence]) -> None:
         """Count what the prefix match of sequences admitted with installed blocks took from them."""
@@ -292,12 +330,6 @@ class TierConnector:
         # Asked since this preemption (or since it arrived), and the cache has lost nothing more since.
         return asked is None or asked[0] != seq.num_preemptions or local < asked[1]
 
-    def _has_room(self, seq: Sequence, prefix: PrefixMatch) -> bool:
-        """Whether the pool can take the whole sequence, counting the cached pages its prefix revives."""
-        bm = self.block_manager
-        reviving = sum(1 for pid in prefix.page_ids if pid >= 0 and bm.page_info(pid).ref_count == 0)
-        return bm.num_free_pages - reviving >= -(-seq.num_tokens // bm.block_size) - len(prefix.page_ids)
-
     def _fetch_in_background(self, ask: TierAsk) -> None:
         self._finished.put(self.fetch(ask))
         self._wake()
@@ -314,11 +346,21 @@ class TierConnector:
             # [L, n, bs, Hkv, D] scattered into the pool's page dimension, all layers at once.
             key = torch.stack([b.key for b in blocks[:n]], dim=1)
             value = torch.stack([b.value for b in blocks[:n]], dim=1)
-            self.runner.pool.scatter(page_ids, key, value)
+            self.pool.scatter(page_ids, key, value)
         return tuple(page_ids)
 
     def _write_through(self, stored: BlockStored, cache_salt: str) -> None:
         page_ids = [self.block_manager.cached_page(h) for h in stored.block_hashes]
         # One gather per run of blocks: [L, n, bs, Hkv, D], a copy the tier owns (the pages get reused).
-        key, value = (kv.to("cpu") for kv in self.runner.pool.gather(page_ids))
+        key, value = (kv.to("cpu") for kv in self.pool.gather(page_ids))
         self.tier.write(stored, cache_salt, key, value)
+
+
+def connect(engine: LLMEngine, tier: TierPort) -> TierConnector:
+    """Attach `tier` to `engine` through a connector of its own; with sparse retrieval on, loaded histories it
+    would offload go to its host pool."""
+    sparse = engine.extension("sparse")
+    placement = None if sparse is None else sparse.resume
+    connector = TierConnector(engine.runner.pool, engine.block_manager, tier, placement)
+    engine.attach_tier(connector)
+    return connector
