@@ -9,6 +9,17 @@ import pytest
 from rayapp.models.loader import prepare_default_model
 from rayapp.models.tokenizer import load_tokenizer
 
+# The quick tier is `pytest -m "not slow"`. A test is slow when it runs an application under Serve, a Ray cluster,
+# the tier's database or a vLLM engine: the fixtures that start them mark it here. Modules that start one
+# themselves, and tests that run the real model for many steps, carry the mark in their own file.
+SLOW_FIXTURES = frozenset({"serve_app", "serve_llm_args", "database", "cluster"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:

@@ -14,14 +14,16 @@ from pathlib import Path
 import rayapp
 
 # Lowest first. Each entry is a layer: the packages (or top-level modules) of rayapp in it.
+# The engine's core sits below its features (sparse retrieval, layer-wise compression, the cluster tier), which it
+# finds by name through its registry; the drivers run an engine with whatever features its config turns on.
 LAYERS = [
     {"config"},
     {"blocks", "observability", "kernels"},
     {"models"},
-    {"sparse"},
     {"engine"},
-    {"kvtier", "prefix_router"},
-    {"llm", "vllm_ext"},
+    {"sparse", "layerwise", "kvtier", "prefix_router"},
+    {"drivers", "llm"},
+    {"vllm_ext"},
     {"deployments", "integrations"},
     {"cli"},
 ]

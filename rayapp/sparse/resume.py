@@ -12,7 +12,7 @@ sequence offloaded after a local prefill.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -24,10 +24,14 @@ from rayapp.kernels.retrieval import block_representation
 from rayapp.sparse.host_pool import HostBlockPool
 from rayapp.sparse.policy import AttentionMode, RetrievalPolicy
 
-if TYPE_CHECKING:
-    from rayapp.kvtier.connector import TierBlock
-
 logger = logging.getLogger(__name__)
+
+
+class LoadedBlock(Protocol):
+    """One block loaded from outside the engine (the cluster tier's blocks are such)."""
+
+    key: Tensor  # [num_layers, block_size, num_kv_heads, head_dim]
+    value: Tensor
 
 
 class RetrievalStore(Protocol):
@@ -68,7 +72,7 @@ class HostResume:
         return range(p.init_pages, p.init_pages + n * p.pages_per_block)
 
     @torch.inference_mode()
-    def resume_to_host(self, seq: Sequence, pages: range, blocks: list[TierBlock]) -> bool:
+    def resume_to_host(self, seq: Sequence, pages: range, blocks: list[LoadedBlock]) -> bool:
         """Put the middle blocks `blocks` (tier blocks, one per page of `pages`, from `host_range`) in the host
         pool as `seq`'s offloaded middle and represent them there, so admission maps those pages to
         `OFFLOADED`; False (nothing changed) when the host pool is full."""

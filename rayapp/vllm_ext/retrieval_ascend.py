@@ -16,12 +16,9 @@ so the builder declares no ACL-graph support: vLLM's graphs stay piecewise aroun
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from torch import Tensor
-from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm_ascend.attention.attention_v1 import (
     AscendAttentionBackend,
     AscendAttentionBackendImpl,
@@ -31,8 +28,8 @@ from vllm_ascend.attention.attention_v1 import (
 )
 from vllm_ascend.attention.utils import enable_cp
 
-from rayapp.vllm_ext.retrieval import retrieval_config
-from rayapp.vllm_ext.retrieval_plan import BlockStore, FullRows, RowPlanner, SparseRows, full_rows
+from rayapp.vllm_ext.retrieval_base import RetrievalBuilder, RetrievalImpl
+from rayapp.vllm_ext.retrieval_plan import FullRows, SparseRows, StepPlan, full_rows
 from rayapp.vllm_ext.retrieval_plan import triton_sparse_decode as sparse_decode
 
 
@@ -56,79 +53,37 @@ class RetrievalAscendBackend(AscendAttentionBackend):
         return AscendAttentionBackend.get_builder_cls() if enable_cp() else RetrievalAscendBuilder
 
 
-class RetrievalAscendBuilder(AscendAttentionMetadataBuilder):
-    @classmethod
-    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        return AttentionCGSupport.NEVER  # host-side planning per step: piecewise graphs only
+class RetrievalAscendBuilder(RetrievalBuilder, AscendAttentionMetadataBuilder):
+    metadata_cls = RetrievalAscendMetadata
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.num_kv_heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)
-        self.page_size = kv_cache_spec.block_size
-        self.planner = RowPlanner(retrieval_config(), self.page_size)
+    def _attends(self, cm, stock: AscendMetadata) -> bool:
+        return stock.attn_state == AscendAttentionState.DecodeOnly and cm.causal is True
 
-    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> AscendMetadata:
-        cm = common_attn_metadata
-        stock = super().build(common_prefix_len, cm, fast_build)
-        meta = RetrievalAscendMetadata(**{f.name: getattr(stock, f.name) for f in dataclasses.fields(stock)})
-        decode_only = stock.attn_state == AscendAttentionState.DecodeOnly and cm.causal is True
-        step = self.planner.plan(cm, self.num_kv_heads, decode_only)
-        if step is None:
-            return meta
+    def _split(self, meta: RetrievalAscendMetadata, cm, step: StepPlan, fast_build: bool) -> None:
         meta.sparse_rows = step.sparse.to(self.device)
         if step.dense:
             tables = cm.block_table_tensor[step.dense].cpu()
-            rows = full_rows(step.dense, step.query_start_loc, step.seq_lens, tables, self.page_size)
+            rows = full_rows(step.dense, step.query_start_loc, step.seq_lens, tables, self.planner.block_size)
             meta.full_rows = rows.to(self.device)
-        return meta
 
 
-class RetrievalAscendImpl(AscendAttentionBackendImpl):
+class RetrievalAscendImpl(RetrievalImpl, AscendAttentionBackendImpl):
     """vllm-ascend's attention, with every row of a sparse decode step on rayapp's kernels."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.config = retrieval_config()
-        self.sparse_capable = (
-            self.attn_type == AttentionType.DECODER
-            and self.alibi_slopes is None
-            and self.sinks is None
-            and self.sliding_window is None
-            and self.kv_cache_dtype == "auto"
-            and not self.enable_c8_quant
-        )
-        self.store = BlockStore(self.config)
-        self._dense_layer: bool | None = None
+    def _sparse_path_takes_layer(self) -> bool:
+        return self.sliding_window is None and self.kv_cache_dtype == "auto" and not self.enable_c8_quant
 
-    def forward(
-        self,
-        layer,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        kv_cache,
-        attn_metadata,
-        output: Tensor | None = None,
-        output_scale: Tensor | None = None,
-        output_block_scale: Tensor | None = None,
-    ) -> Tensor:
-        if self._dense_layer is None:
-            self._dense_layer = extract_layer_index(layer.layer_name) in self.config.dense_layers
-        sparse = getattr(attn_metadata, "sparse_rows", None)
-        fused_quant = output_scale is not None or output_block_scale is not None
-        if sparse is None or not self.sparse_capable or self._dense_layer or fused_quant:
-            return super().forward(
-                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
-            )
+    def _forward_sparse(
+        self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache, attn_metadata: RetrievalAscendMetadata,
+        output: Tensor, sparse: SparseRows,
+    ) -> None:  # fmt: skip
         if self.key_cache is None:
             self.key_cache, self.value_cache = kv_cache[0], kv_cache[1]
         if key is not None and value is not None:  # this step's K and V into the cache, as vllm-ascend writes them
             self.reshape_and_cache(query, key, value, kv_cache, attn_metadata, output)
         from rayapp.kernels.triton import sparse_decode_attention
 
-        n = attn_metadata.num_actual_tokens
-        q = query[:n].view(-1, self.num_heads, self.head_size)  # [T, Hq, D]
-        out = output[:n].view(-1, self.num_heads, self.head_size)
+        q, out = self._tokens(query, attn_metadata), self._tokens(output, attn_metadata)  # [T, Hq, D]
         key_cache, value_cache = self.key_cache, self.value_cache  # [num_blocks, block_size, H, D] each
         q_rows = q.index_select(0, sparse.tokens)
         out.index_copy_(0, sparse.tokens, sparse_decode(self.store, q_rows, key_cache, value_cache, sparse, self.scale))
@@ -138,4 +93,3 @@ class RetrievalAscendImpl(AscendAttentionBackendImpl):
             pages = full.pages.expand(-1, self.num_kv_heads, -1)
             attended = sparse_decode_attention(q_rows, key_cache, value_cache, pages, full.page_lens, self.scale)
             out.index_copy_(0, full.tokens, attended)
-        return output

@@ -1,8 +1,8 @@
 """RetrievalKV on vLLM's CPU attention: the backend the `retrieval` plugin registers as `CPU_ATTN`.
 
-The rows of each step are planned as on every platform (`rayapp.vllm_ext.retrieval_plan`): prefill rows and
-decode rows below `dense_boundary` run vLLM's own kernel exactly as stock vLLM; the other decode rows attend
-their init, window and top-k retrieval blocks per KV head and layer.
+The rows of each step are planned, and each layer's call sent, as on every platform (`rayapp.vllm_ext.retrieval_base`):
+prefill rows and decode rows below `dense_boundary` run vLLM's own kernel exactly as stock vLLM; the other decode rows
+attend their init, window and top-k retrieval blocks per KV head and layer.
 
 Selection and attention run on rayapp's C++ kernels (`rayapp.kernels.native`) where they can: one pass
 scores every middle block of a row from the representation store and keeps its top k per KV head, and
@@ -18,7 +18,6 @@ is the same memory, and page `p` of head `h` is page `p * H + h` there.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,8 +25,7 @@ import torch
 from torch import Tensor
 from vllm import _custom_ops as ops
 from vllm import envs
-from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -37,13 +35,10 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from rayapp.kernels import native
 from rayapp.kernels.retrieval import score_blocks
-from rayapp.sparse.policy import RetrievalPolicy
 from rayapp.vllm_ext import retrieval_plan
 from rayapp.vllm_ext.pages import cpu_page_keys
-from rayapp.vllm_ext.retrieval import retrieval_config
-from rayapp.vllm_ext.retrieval_plan import BlockStore, RowPlanner, page_table
-
-logger = logging.getLogger("rayapp.retrieval")
+from rayapp.vllm_ext.retrieval_base import RetrievalBuilder, RetrievalImpl
+from rayapp.vllm_ext.retrieval_plan import StepPlan, page_table
 
 
 @dataclass
@@ -86,28 +81,19 @@ class RetrievalCPUBackend(CPUAttentionBackend):
         return RetrievalCPUBuilder
 
 
-class RetrievalCPUBuilder(CPUAttentionMetadataBuilder):
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.planner = RowPlanner(retrieval_config(), self.block_size)
+class RetrievalCPUBuilder(RetrievalBuilder, CPUAttentionMetadataBuilder):
+    metadata_cls = RetrievalMetadata
 
-    def build(
-        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
-    ) -> RetrievalMetadata:
-        cm = common_attn_metadata
-        stock = super().build(common_prefix_len, cm, fast_build)
-        meta = RetrievalMetadata(**{f.name: getattr(stock, f.name) for f in dataclasses.fields(stock)})
-        attends = not (self.is_cross_attention or self.is_encoder_only_attention or stock.causal is not True)
-        step = self.planner.plan(cm, self.num_kv_heads, attends)
-        if step is None:
-            return meta
+    def _attends(self, cm: CommonAttentionMetadata, stock: CPUAttentionMetadata) -> bool:
+        return not (self.is_cross_attention or self.is_encoder_only_attention or stock.causal is not True)
+
+    def _split(self, meta: RetrievalMetadata, cm: CommonAttentionMetadata, step: StepPlan, fast_build: bool) -> None:
         Hq, H = self.num_heads, self.num_kv_heads
-        meta.sparse_rows = _for_cpu_kernel(step.sparse, Hq, H, self._scheduler)
+        meta.sparse_rows = cpu_sparse_rows(step.sparse, Hq, H, self._scheduler)
         if step.dense:
             tables = cm.block_table_tensor
             meta.dense_rows = plan_dense_rows(Hq, H, step.dense, step.query_start_loc, step.seq_lens, tables,
                                               self._scheduler)  # fmt: skip
-        return meta
 
     def _scheduler(self, qsl: Tensor, seq_lens: Tensor, heads: int, kv_heads: int) -> Tensor:
         return ops.cpu_attn_get_scheduler_metadata(
@@ -130,21 +116,15 @@ class RetrievalCPUBuilder(CPUAttentionMetadataBuilder):
 Scheduler = Callable[[Tensor, Tensor, int, int], Tensor]
 
 
-def _for_cpu_kernel(plan: retrieval_plan.SparseRows, num_heads: int, num_kv_heads: int, scheduler: Scheduler):
+def cpu_sparse_rows(
+    plan: retrieval_plan.SparseRows, num_heads: int, num_kv_heads: int, scheduler: Scheduler
+) -> SparseRows:
+    """A step's planned sparse rows `plan` for every layer to attend on vLLM's CPU kernel."""
     seq_lens = plan.attended.repeat_interleave(num_kv_heads)
     qsl = torch.arange(plan.tokens.shape[0] * num_kv_heads + 1, dtype=torch.int32)
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
     return SparseRows(**fields, seq_lens=seq_lens, query_start_loc=qsl,
                       scheduler_metadata=scheduler(qsl, seq_lens, num_heads // num_kv_heads, 1))  # fmt: skip
-
-
-def plan_sparse_rows(
-    policy: RetrievalPolicy, num_heads: int, num_kv_heads: int, rows: list[int], qsl: Tensor, seq_lens: Tensor,
-    tables: Tensor, scheduler: Scheduler,
-) -> SparseRows:  # fmt: skip
-    """The sparse decode rows `rows` of a batch (`qsl`, `seq_lens`, block `tables`), for every layer to attend."""
-    plan = retrieval_plan.plan_rows(policy, num_kv_heads, rows, qsl, seq_lens, tables[rows])
-    return _for_cpu_kernel(plan, num_heads, num_kv_heads, scheduler)
 
 
 def plan_dense_rows(
@@ -162,51 +142,27 @@ def plan_dense_rows(
     )
 
 
-class RetrievalCPUImpl(CPUAttentionBackendImpl):
+class RetrievalCPUImpl(RetrievalImpl, CPUAttentionBackendImpl):
     """vLLM's CPU attention, with sparse decode for the rows the builder marked."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.config = retrieval_config()
-        # What the flattened-head call cannot carry: such a layer runs stock for every row.
-        self.sparse_capable = (
-            self.attn_type == AttentionType.DECODER
-            and self.alibi_slopes is None
-            and self.sinks is None
-            and self.sliding_window == -1
-            and not self.logits_soft_cap
-        )
-        self.store = BlockStore(self.config)
-        self._dense_layer: bool | None = None
         native.available()  # build (or load) the C++ kernels now, not inside the first sparse step
 
-    def forward(
-        self,
-        layer,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        kv_cache: Tensor,
-        attn_metadata: RetrievalMetadata | None,
-        output: Tensor,
-        output_scale: Tensor | None = None,
-        output_block_scale: Tensor | None = None,
-    ) -> Tensor:
-        if self._dense_layer is None:
-            self._dense_layer = extract_layer_index(layer.layer_name) in self.config.dense_layers
-        sparse = getattr(attn_metadata, "sparse_rows", None)
-        if sparse is None or not self.sparse_capable or self._dense_layer:
-            return super().forward(
-                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
-            )
+    def _sparse_path_takes_layer(self) -> bool:
+        # What the flattened-head call cannot carry.
+        return self.sliding_window == -1 and not self.logits_soft_cap
+
+    def _forward_sparse(
+        self, layer, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, attn_metadata: RetrievalMetadata,
+        output: Tensor, sparse: SparseRows,
+    ) -> None:  # fmt: skip
         num_blocks, H, bs, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(num_blocks, H, 2 * bs, -1).chunk(2, dim=2)
-        q = query[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-        out = output[: attn_metadata.num_actual_tokens].view(-1, self.num_heads, self.head_size)
+        q, out = self._tokens(query, attn_metadata), self._tokens(output, attn_metadata)
         if attn_metadata.dense_rows is not None:
             self._dense(layer, q, key_cache, value_cache, out, attn_metadata.dense_rows)
         self._sparse(layer, q, kv_cache, key_cache, value_cache, out, sparse)
-        return output
 
     def _dense(self, layer, q: Tensor, key_cache: Tensor, value_cache: Tensor, out: Tensor, rows: DenseRows) -> None:
         q_rows = q.index_select(0, rows.tokens)

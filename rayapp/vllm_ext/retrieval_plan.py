@@ -90,7 +90,7 @@ class StepPlan:
 
 
 def plan_rows(
-    policy: RetrievalPolicy, num_kv_heads: int, rows: list[int], qsl: Tensor, seq_lens: Tensor, row_tables: Tensor
+    policy: RetrievalPolicy, rows: list[int], qsl: Tensor, seq_lens: Tensor, row_tables: Tensor
 ) -> SparseRows:
     """The sparse decode rows `rows` of a batch (`qsl`, `seq_lens`, and the block tables of those rows `row_tables`;
     host tensors)."""
@@ -172,7 +172,7 @@ class RowPlanner:
                 100 * share, block_size,
             )  # fmt: skip
 
-    def plan(self, cm, num_kv_heads: int, attends: bool) -> StepPlan | None:
+    def plan(self, cm, attends: bool) -> StepPlan | None:
         """Begin the step of vLLM's `CommonAttentionMetadata` `cm` (the pages it writes); where `attends` (causal
         decoder layers), its sparse decode rows. None: every row runs the backend's stock kernel."""
         slots = cm.slot_mapping[: cm.num_actual_tokens]
@@ -200,7 +200,7 @@ class RowPlanner:
                 "cannot move to host memory; DDR offload is a rayapp-engine feature)",
                 self.config.offload_boundary,
             )
-        sparse = plan_rows(self.policy, num_kv_heads, rows, qsl, seq_lens, tables[rows].cpu())
+        sparse = plan_rows(self.policy, rows, qsl, seq_lens, tables[rows].cpu())
         chosen = set(rows)
         STATS.record_step(num_decodes - len(rows), len(rows), int(sparse.num_selected.sum()), sparse.stale.shape[0])
         return StepPlan(qsl, seq_lens, [r for r in range(n) if r not in chosen], sparse)

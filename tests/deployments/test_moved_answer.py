@@ -24,6 +24,8 @@ from rayapp.engine.request import EngineRequest
 from rayapp.engine.sampling_params import SamplingParams
 from rayapp.models.tokenizer import chat_token_ids
 
+pytestmark = pytest.mark.slow  # real engine backends (rayapp's process, vLLM's AsyncLLM)
+
 MESSAGES = [{"role": "user", "content": "List the planets of the solar system, one per line, with a short note."}]
 CONFIGS = {
     "rayapp": AppConfig(dtype="float32", kv_cache_memory_gb=0.25),

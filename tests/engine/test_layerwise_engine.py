@@ -95,6 +95,7 @@ def test_a_compacted_sequence_holds_carrier_pages_and_no_token_table(llm, prompt
     assert not engine.runner.pool.k[:, NULL_PAGE].any() and not engine.runner.pool.v[:, NULL_PAGE].any()
 
 
+@pytest.mark.slow  # the real model through many steps
 def test_pages_freed_by_compaction_let_more_sequences_run():
     # Each ~600-token prompt takes 38 pages densely; 70 pages hold one such sequence, or three compacted (~14 each).
     def peak_decoding(layerwise):
@@ -128,6 +129,7 @@ def test_full_layer_prefix_cache_entries_still_hit(llm, prompts):
     assert again == first  # the same dense prefix, the same selection
 
 
+@pytest.mark.slow  # the real model through many steps
 def test_a_preempted_compacted_sequence_resumes():
     engine = LLMEngine.from_options(
         dtype="float32", num_pages=40, max_num_batched_tokens=512, layerwise={"enabled": True}

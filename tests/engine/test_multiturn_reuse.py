@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rayapp import LLM, SamplingParams
 from rayapp.models.tokenizer import chat_token_ids
+
+pytestmark = pytest.mark.slow  # the real model over many turns
 
 USER_TURNS = [
     "Hi! I am planning a trip to Norway.",

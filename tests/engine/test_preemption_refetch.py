@@ -16,6 +16,8 @@ from rayapp.engine.llm_engine import LLMEngine
 from rayapp.engine.request import EngineRequest
 from rayapp.kvtier.connector import connect
 
+pytestmark = pytest.mark.slow  # the real model through preemptions
+
 PARAMS = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 # Two 160-token prompts (10 pages each) growing to 224 tokens (14 pages) in a 24-page pool: the second is
 # preempted, and the pages the first still needs evict the second's last blocks (freed first).

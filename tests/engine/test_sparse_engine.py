@@ -12,6 +12,8 @@ from rayapp.engine.pages import OFFLOADED
 from rayapp.engine.request import EngineRequest
 from rayapp.sparse.evaluation import SCALED_SPARSE, needle_case
 
+pytestmark = pytest.mark.slow  # the real model over long prompts
+
 # SmolLM2's 8K context scaled down from the 32K / 64K defaults.
 SCALED = {**SCALED_SPARSE, "device_cache_blocks": 96, "scoring_queries": 4}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)

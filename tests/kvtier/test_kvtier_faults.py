@@ -27,6 +27,8 @@ from rayapp.kvtier.embedded import start_embedded_database, stop_embedded_databa
 from rayapp.kvtier.postgres import EmbeddedPostgres, _free_port
 from rayapp.kvtier.store import KVTierStore
 
+pytestmark = pytest.mark.slow  # the tier's database, stopped and restarted
+
 
 def _server_processes(db: EmbeddedPostgres) -> list[psutil.Process]:
     postmaster = psutil.Process(int((db.pgdata / "postmaster.pid").read_text().split()[0]))

@@ -17,6 +17,8 @@ from rayapp.blocks import BlockStored, Tier, hash_blocks
 from rayapp.kvtier.embedded import stop_embedded_database
 from rayapp.models.tokenizer import chat_token_ids
 
+pytestmark = pytest.mark.slow  # a Ray cluster and the tier's database
+
 # A long first turn: a document to discuss (~1.2K tokens), so turn 2 is mostly history.
 DOCUMENT = " ".join(
     f"Section {i}: the {animal} crossed river {i * 7} near the {place}, and the log noted {i * 13} visitors."

@@ -17,6 +17,8 @@ from rayapp.engine.request import EngineRequest
 from rayapp.kvtier.embedded import stop_embedded_database
 from rayapp.sparse.evaluation import SCALED_SPARSE, needle_case
 
+pytestmark = pytest.mark.slow  # a Ray cluster, the tier's database and long prompts
+
 SPARSE = {**SCALED_SPARSE, "device_cache_blocks": 96, "scoring_queries": 4}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 

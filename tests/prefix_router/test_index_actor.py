@@ -16,6 +16,8 @@ from rayapp.prefix_router.actor import prefix_index, shard_of
 from rayapp.prefix_router.policy import Holding
 from rayapp.prefix_router.shards import IndexShards
 
+pytestmark = pytest.mark.slow  # a Ray cluster
+
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():

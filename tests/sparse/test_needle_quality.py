@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from rayapp import LLM, SamplingParams
 from rayapp.config import LayerwiseConfig, SparseConfig
 from rayapp.sparse.evaluation import SCALED_SPARSE, needle_case
+
+pytestmark = pytest.mark.slow  # the real model over long prompts
 
 SCALED = SparseConfig(**SCALED_SPARSE, topk_percent=0.2, device_cache_blocks=64)
 LENGTHS = [1200, 1900, 2600, 3300, 4000, 4700, 5400, 6000]

@@ -27,6 +27,8 @@ from rayapp.kernels.cpu import CPUFeatures, detect, plan_for  # noqa: E402
 from rayapp.vllm_ext.engine import VLLMBackend, _EngineStats, engine_kwargs  # noqa: E402
 from rayapp.vllm_ext.tier_protocol import LOADED_TOKENS_PARAM, MISSED_TOKENS_PARAM  # noqa: E402
 
+pytestmark = pytest.mark.slow  # vLLM engines
+
 
 class FakeAsyncLLM:
     """Streams two DELTA outputs (3 tokens, then 2 and the finish), recording what it was asked."""

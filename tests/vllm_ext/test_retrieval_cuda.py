@@ -12,7 +12,6 @@ sub-batch the backend hands it.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import multiprocessing
 import os
 from types import SimpleNamespace
@@ -23,6 +22,7 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("triton")
 
+from test_retrieval_backend import BS, HQ, SCALE, SETTINGS, D, H, sparse_reference  # noqa: E402
 from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends import triton_attn  # noqa: E402
@@ -31,23 +31,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec  # no
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-from rayapp.config import SparseConfig  # noqa: E402
-from rayapp.kernels.retrieval import (  # noqa: E402
-    ref_block_representation,
-    ref_score_blocks,
-    ref_select_topk_blocks,
-    score_blocks,
-)
+from rayapp.kernels.retrieval import score_blocks  # noqa: E402
 from rayapp.models.loader import resolve_model  # noqa: E402
-from rayapp.sparse.policy import RetrievalPolicy  # noqa: E402
 from rayapp.vllm_ext.retrieval import EPOCHS, SETTINGS_ENV  # noqa: E402
 from rayapp.vllm_ext.retrieval_cuda import RetrievalTritonBuilder, RetrievalTritonImpl  # noqa: E402
 
-HQ, H, D, BS = 9, 3, 64, 32  # the shipped SmolLM2's heads
-SCALE = D**-0.5
-CONFIG = SparseConfig(
-    enabled=True, init_tokens=32, local_tokens=64, retrieval_block_size=64, dense_boundary=256, topk_percent=0.3
-)
 LAYER_NAME = "model.layers.4.self_attn.attn"
 
 
@@ -116,28 +104,7 @@ class Step:
                 out[i, hq] = torch.softmax(k @ self.q[start + i, hq].float() * SCALE, dim=0) @ v
         return out
 
-    def sparse(self, row: int) -> tuple[list[set[int]], torch.Tensor]:
-        """Plain torch for one sparse decode row: the blocks each KV head selects, and the attention output."""
-        p = RetrievalPolicy(CONFIG, BS)
-        ctx, rb = self.contexts[row], CONFIG.retrieval_block_size
-        q = self.q[int(self.qsl[row])].float()
-        init, n_mid, window = p.init_pages * BS, p.num_middle_blocks(ctx), p.window_start_page(ctx) * BS
-        keys = self.keys[row][init : init + n_mid * rb].view(n_mid, rb, H, D)
-        reps = ref_block_representation(keys, CONFIG.representation, CONFIG.representative_keys)
-        scores = ref_score_blocks(q[None], reps[None], CONFIG.representation)
-        chosen = ref_select_topk_blocks(scores, torch.tensor([n_mid]), torch.tensor([p.num_selected(n_mid)]))[0]
-        out = torch.empty(HQ, D)
-        for hq in range(HQ):
-            h = hq // (HQ // H)
-            tokens = list(range(init)) + [init + j * rb + t for j in sorted(chosen[h]) for t in range(rb)]
-            tokens += list(range(window, ctx))
-            k, v = self.keys[row][tokens, h], self.values[row][tokens, h]
-            out[hq] = torch.softmax(k @ q[hq] * SCALE, dim=0) @ v
-        return chosen, out
 
-
-SETTINGS = json.dumps({k: getattr(CONFIG, k) for k in (
-    "init_tokens", "local_tokens", "retrieval_block_size", "dense_boundary", "topk_percent")})  # fmt: skip
 LAYER = SimpleNamespace(layer_name=LAYER_NAME, _k_scale=torch.ones(1), _v_scale=torch.ones(1))
 
 
@@ -216,10 +183,10 @@ def test_sparse_rows_attend_their_chosen_pages_and_dense_rows_run_vllms_kernel(i
         start, end = int(step.qsl[row]), int(step.qsl[row + 1])
         assert (out[start:end].float() - step.dense(row)).abs().max() < tol
     for i, row in enumerate((2, 3)):
-        chosen, expected = step.sparse(row)
+        token = int(step.qsl[row])
+        chosen, expected = sparse_reference(step.q[token], step.keys[row], step.values[row])
         k = int(num_selected[i])
         assert [set(blocks[i, h, :k].tolist()) for h in range(H)] == chosen
-        token = int(step.qsl[row])
         assert (out[token].float() - expected).abs().max() < tol
         # Sparse is not dense: the dropped middle changes the output.
         assert (step.dense(row)[0] - expected).abs().max() > 0.1

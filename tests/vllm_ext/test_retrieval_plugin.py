@@ -34,6 +34,8 @@ from rayapp.vllm_ext.retrieval import (  # noqa: E402
     settings_env,
 )
 
+pytestmark = pytest.mark.slow  # vLLM engines
+
 SCALED = {"init_tokens": 64, "local_tokens": 512, "retrieval_block_size": 64, "dense_boundary": 1024}
 ENGINE = {"dtype": "bfloat16", "block_size": 64, "kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
 GREEDY = SamplingParams(temperature=0, max_tokens=16)

@@ -43,6 +43,8 @@ from rayapp.vllm_ext.tier_protocol import (  # noqa: E402
 from rayapp.vllm_ext.tier_scheduler import TierScheduler  # noqa: E402
 from rayapp.vllm_ext.tier_worker import TierWorker  # noqa: E402
 
+pytestmark = pytest.mark.slow  # vLLM engines, a Ray cluster and the tier's database
+
 BLOCK = 128
 HEADS, HEAD_DIM = 3, 64
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
