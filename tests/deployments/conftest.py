@@ -9,10 +9,14 @@ from contextlib import contextmanager
 
 import pytest
 import ray
+import scripted
 from ray import serve
 
 from rayapp.config import AppConfig
 from rayapp.deployments.builder import build
+
+# The scripted backend is a module of the tests, which Ray's workers cannot import: it travels by value.
+ray.cloudpickle.register_pickle_by_value(scripted)
 
 # Ray's workers listen on 10002-19999 (its default worker ports), and its other processes on ports the kernel hands
 # out (32768 and up on Linux): a port between the two is still free when Serve's proxy binds it after Ray started.
@@ -33,17 +37,21 @@ def _free_port() -> int:
 
 @contextmanager
 def _serve_app(
-    config: AppConfig, apps: dict[str, str] | None = None, env: dict[str, str] | None = None
+    config: AppConfig,
+    apps: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
+    backend_cls: type | None = None,
 ) -> Iterator[str]:
     """Start a local Ray and Serve, deploy `build(config)` under each application name of `apps` at its route
-    prefix (by default "rayapp" at "/"); yield the base URL. `env`: environment variables of every Ray worker."""
+    prefix (by default "rayapp" at "/"); yield the base URL. `env`: environment variables of every Ray worker;
+    `backend_cls`: the replicas' engine backend instead of `config.engine`'s (`scripted.ScriptedBackend`)."""
     port = _free_port()
     runtime_env = {"env_vars": env} if env else None
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env=runtime_env)
     try:  # Ray goes down whatever fails, or every later module's ray.init fails too
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for name, route_prefix in (apps or {"rayapp": "/"}).items():
-            serve.run(build(config, app_name=name), name=name, route_prefix=route_prefix)
+            serve.run(build(config, backend_cls, app_name=name), name=name, route_prefix=route_prefix)
         yield f"http://127.0.0.1:{port}"
     finally:
         try:

@@ -1,5 +1,6 @@
-"""Bad input and faults against the real Serve app: limits before work, 400s for malformed bodies, bounded and
-guarded metrics, keys from a file and the environment, and a MetricsHub that comes back after it is killed."""
+"""Bad input and faults against the real Serve app (over the scripted backend: what is judged is the ingress'):
+limits before work, 400s for malformed bodies, bounded and guarded metrics, keys from a file and the environment,
+and a MetricsHub that comes back after it is killed."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import ray
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from scripted import ScriptedBackend
 
 from rayapp.config import AppConfig, LimitSettings
 from rayapp.deployments.ingress import API_KEYS_ENV, _count, _internal_error
@@ -33,7 +35,7 @@ def base_url(serve_app, tmp_path_factory):
     config = AppConfig(kv_cache_memory_gb=0.25, api_keys_file=str(keys), authenticate_metrics=True, limits=LIMITS)
     with pytest.MonkeyPatch.context() as env:
         env.setenv(API_KEYS_ENV, f"other-key, {ENV_KEY}")  # Ray's workers inherit the driver's environment
-        with serve_app(config) as url:
+        with serve_app(config, backend_cls=ScriptedBackend) as url:
             yield url
 
 

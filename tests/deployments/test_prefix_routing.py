@@ -1,49 +1,41 @@
 """Two replicas behind the PrefixAwareRouter, on this machine: turns land where their prefix is, and a
-replica killed mid-run costs no request. Once with rayapp's engine, once with vLLM's (where vLLM is
-installed), whose KV events feed the router through `rayapp.vllm_ext.kv_events`.
+replica killed mid-run costs no request. The replicas run the scripted backend (`scripted.ScriptedBackend`),
+which keeps a real prefix cache and sends its KV events as the engines do; that each engine's own events feed
+the router is checked where the engines are served (`test_serve_app.py`, and vLLM's under Ray Serve LLM in
+`tests/integrations/test_ray_serve_llm_app.py`).
 
-Routing is judged by what the engines deliver (`usage.prompt_tokens_details.cached_tokens`), not
+Routing is judged by what the replicas deliver (`usage.prompt_tokens_details.cached_tokens`), not
 by what the router claims.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import re
 import time
 
 import httpx
 import pytest
 import ray
+from scripted import ScriptedBackend
 
 from rayapp.config import AppConfig
 from rayapp.prefix_router.actor import prefix_index
 
 MODEL = "SmolLM2-135M-Instruct"
-SETTINGS = {"dtype": "bfloat16", "replicas": 2, "num_cpus": 0.5, "kv_cache_memory_gb": 0.25, "max_num_seqs": 16}
-CONFIGS = {
-    "rayapp": AppConfig(**SETTINGS),
-    "vllm": AppConfig(engine="vllm", engine_kwargs={"enforce_eager": True}, **SETTINGS),
-}
-ENGINES = [
-    "rayapp",
-    pytest.param(
-        "vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-    ),
-]
+SETTINGS = {"replicas": 2, "num_cpus": 0.5}
 SYSTEM = {"role": "system", "content": "You are a concise assistant. Answer in one short sentence."}
 TOPICS = ["rivers", "volcanoes", "bridges", "owls", "glaciers", "violins"]
 
 
-@pytest.fixture(scope="module", params=ENGINES)
-def config(request) -> AppConfig:
-    return CONFIGS[request.param]
+@pytest.fixture(scope="module")
+def config() -> AppConfig:
+    return AppConfig(**SETTINGS)
 
 
 @pytest.fixture(scope="module")
 def base_url(serve_app, config):
-    with serve_app(config) as url:
+    with serve_app(config, backend_cls=ScriptedBackend) as url:
         yield url
 
 

@@ -14,23 +14,18 @@ import importlib.util
 import json
 import re
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import psutil
 import pytest
+from served import ASK_WEATHER, CLOCK, KEY, MODEL, QUESTION, SYSTEM, TEMPLATE, WEATHER, error_of, metric, named, post
 
 from rayapp import LLM, SamplingParams
 from rayapp.config import AppConfig
 from rayapp.drivers.process import PROCESS_NAME
 from rayapp.models.tokenizer import chat_token_ids
 
-KEY = "test-key"
-MODEL = "SmolLM2-135M-Instruct"
-# The shipped model's template, byte for byte, plus tools in the Hermes format: answers without tools are the
-# offline references' (rendered with the model's own template).
-TEMPLATE = str(Path(__file__).parent / "templates" / "chatml_tools.jinja")
 CONFIGS = {
     "rayapp": AppConfig(
         dtype="float32", api_keys=[KEY], max_queued_requests=40, kv_cache_memory_gb=0.5, chat_template=TEMPLATE
@@ -119,46 +114,10 @@ class _Reference:
         return self._generate(messages, n, k)[1]
 
 
-def _metric(base_url: str, name: str) -> float:
-    """Sum of a replica series; waits for the replicas' first push (twice a second, once the hub actor runs)."""
-    deadline = time.monotonic() + 60
-    while True:
-        text = httpx.get(f"{base_url}/metrics").text
-        values = [float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
-        if values:
-            return sum(values)
-        assert time.monotonic() < deadline, f"{name} not in /metrics"
-        time.sleep(0.1)
-
-
-def _post(base_url: str, body: object, key: str | None = KEY, path: str = "/v1/chat/completions") -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return httpx.post(f"{base_url}{path}", content=content, headers=headers, timeout=120)
-
-
-def _error(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert error["message"] and "type" in error
-    return error
-
-
-# Longer than two of vLLM's 128-token pages, so repeating it hits the prefix cache on either engine.
-SYSTEM = {
-    "role": "system",
-    "content": "You are a geography tutor. "
-    + " ".join(
-        f"Rule {i}: answer briefly, name the country, and never guess a number you do not know." for i in range(20)
-    ),
-}
-QUESTION = [SYSTEM, {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-
-
 def test_health_models_and_metrics_answer(base_url, client):
     assert httpx.get(f"{base_url}/health").status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert _metric(base_url, "rayapp_pages_total") > 0
+    assert metric(base_url, "rayapp_pages_total") > 0
 
 
 @pytest.mark.parametrize(
@@ -225,7 +184,7 @@ def test_logprobs_are_the_engines_own_streamed_or_not(base_url, client, offline)
     )
     streamed = [t for chunk in stream for c in chunk.choices if c.logprobs for t in c.logprobs.content]
     assert [t.logprob for t in streamed] == [t.logprob for t in content]
-    legacy = _post(
+    legacy = post(
         base_url,
         {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "logprobs": 2, "ignore_eos": True},
         path="/v1/completions",
@@ -305,7 +264,7 @@ def test_structured_output_parses_and_validates_against_its_schema(base_url):
             jsonschema.validate(value, schema)
     assert finished_objects >= 3
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": 5}}}
-    error = _error(_post(base_url, {"model": MODEL, "messages": QUESTION, "response_format": bad}), 400)
+    error = error_of(post(base_url, {"model": MODEL, "messages": QUESTION, "response_format": bad}), 400)
     assert "properties" in error["message"]
 
 
@@ -327,58 +286,6 @@ def test_completions_endpoint(base_url, client):
     assert reply.choices[0].text and reply.usage.completion_tokens == 5
 
 
-@pytest.mark.parametrize(
-    ("body", "status", "param"),
-    [
-        ("{not json", 400, None),
-        (
-            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}]}).replace('"a"', '"a\\ud800"'),
-            400,
-            None,
-        ),
-        ({"model": MODEL}, 400, "messages"),
-        ({"model": MODEL, "messages": []}, 400, "messages"),
-        ({"model": MODEL, "messages": QUESTION, "top_p": 1.5}, 400, "top_p"),
-        ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
-        ({"model": MODEL, "messages": QUESTION, "temperature": -1}, 400, "temperature"),
-        ({"model": MODEL, "messages": QUESTION, "n": 17}, 400, "n"),
-        ({"model": MODEL, "messages": QUESTION, "n": 0}, 400, "n"),
-        ({"model": MODEL, "messages": QUESTION, "n": 2, "temperature": 0}, 400, None),
-        ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
-        ({"model": "gpt-4", "messages": QUESTION}, 404, "model"),
-        # Known fields that would change the answer and are not implemented: refused, never silently dropped.
-        ({"model": MODEL, "messages": QUESTION, "response_format": {"type": "json_schema"}}, 400, "response_format"),
-        ({"model": MODEL, "messages": QUESTION, "response_format": {"type": "yaml"}}, 400, "response_format.type"),
-        ({"model": MODEL, "messages": QUESTION, "functions": [{"name": "f"}]}, 400, "functions"),
-        ({"model": MODEL, "messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs"),
-        ({"model": MODEL, "messages": QUESTION, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    ],
-)
-def test_bad_requests_get_openai_errors(base_url, body, status, param):
-    error = _error(_post(base_url, body), status)
-    assert error["param"] == param
-
-
-@pytest.mark.parametrize(
-    ("fields", "param"),
-    [
-        ({"presence_penalty": 3}, "presence_penalty"),
-        ({"frequency_penalty": -2.5}, "frequency_penalty"),
-        ({"repetition_penalty": 0}, "repetition_penalty"),
-        ({"min_p": 1.5}, "min_p"),
-        ({"logit_bias": {"abc": 1}}, "logit_bias"),
-        ({"logit_bias": {"49152": 1}}, "logit_bias"),
-        ({"logit_bias": {"-1": 1}}, "logit_bias"),
-        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
-        ({"max_completion_tokens": 4, "min_tokens": 5}, "min_tokens"),
-        ({"min_tokens": -1}, "min_tokens"),
-    ],
-)
-def test_sampling_fields_out_of_vllms_ranges_are_400s_naming_the_field(base_url, fields, param):
-    error = _error(_post(base_url, {"model": MODEL, "messages": QUESTION, **fields}), 400)
-    assert error["param"] == param and error["code"] != "unsupported_parameter"
-
-
 def test_every_vllm_sampling_field_is_served(base_url, client, tokenizer):
     (cat,) = tokenizer.encode(" cat")
     # A +100 bias makes " cat" every token; what the penalties take off never makes up for it.
@@ -391,37 +298,16 @@ def test_every_vllm_sampling_field_is_served(base_url, client, tokenizer):
     )
     assert chat.choices[0].message.content == " cat" * 6
     body = {"model": MODEL, "prompt": "Pets:", "max_tokens": 5, "temperature": 0.7, "seed": 1, **fields}
-    completion = _post(base_url, body, path="/v1/completions")
+    completion = post(base_url, body, path="/v1/completions")
     assert completion.status_code == 200, completion.text
     assert completion.json()["choices"][0]["text"] == " cat" * 5
 
 
 # Tool calling. A 135M model rarely decides to call on its own, so the round trip forces the call by name
 # (constrained to the function's parameters), then sends the tool's result back and gets a text answer.
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now."}}
-ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-def _named(name: str) -> dict:
-    return {"type": "function", "function": {"name": name}}
-
-
 def test_a_tool_call_and_its_result_round_trip(client):
     first = client.chat.completions.create(
-        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, CLOCK], tool_choice=_named("get_weather"), max_tokens=40
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER, CLOCK], tool_choice=named("get_weather"), max_tokens=40
     )
     message = first.choices[0].message
     (call,) = message.tool_calls
@@ -445,7 +331,7 @@ def test_a_tool_call_and_its_result_round_trip(client):
 
 def test_a_streamed_named_call_arrives_as_argument_deltas(client):
     stream = client.chat.completions.create(
-        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=_named("get_weather"), max_tokens=40,
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice=named("get_weather"), max_tokens=40,
         stream=True,
     )  # fmt: skip
     deltas = [c.choices[0].delta for c in stream if c.choices and c.choices[0].delta.tool_calls]
@@ -465,74 +351,6 @@ def test_required_calls_one_of_the_tools(client):
     assert reply.choices[0].finish_reason == "tool_calls"
 
 
-def test_bad_tool_requests_are_400s(client):
-    for body, param in [
-        ({"tools": [WEATHER], "tool_choice": _named("nope")}, "tool_choice"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"messages": [{"role": "tool", "content": "14"}]}, "messages"),
-    ]:
-        with pytest.raises(openai.BadRequestError) as error:
-            client.chat.completions.create(**{"model": MODEL, "messages": ASK_WEATHER, "max_tokens": 4, **body})
-        assert param in str(error.value)
-
-
-def test_context_too_long_says_the_limit(base_url):
-    long = [{"role": "user", "content": "word " * 9000}]
-    error = _error(_post(base_url, {"model": MODEL, "messages": long}), 400)
-    assert "8192" in error["message"] and error["code"] == "context_length_exceeded"
-
-
-def test_missing_or_wrong_api_key_is_401(base_url):
-    for key in (None, "wrong", KEY[:-1], KEY + "x", KEY.upper()):  # near misses too
-        assert (
-            _error(_post(base_url, {"model": MODEL, "messages": QUESTION}, key=key), 401)["code"] == "invalid_api_key"
-        )
-    assert httpx.get(f"{base_url}/v1/models").status_code == 401
-
-
-def test_32_concurrent_streams_all_complete(base_url):
-    async def one(http: httpx.AsyncClient, i: int) -> tuple[str, str]:
-        body = {
-            "model": MODEL,
-            "temperature": 0,
-            "max_tokens": 12,
-            "stream": True,
-            "ignore_eos": True,
-            "messages": [{"role": "user", "content": f"Count from {i} upwards."}],
-        }
-        text, finish = "", None
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    choice = json.loads(line[6:])["choices"][0]
-                    text += choice["delta"].get("content", "")
-                    finish = choice["finish_reason"] or finish
-        return text, finish
-
-    async def all_of_them():
-        headers = {"Authorization": f"Bearer {KEY}"}
-        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300) as http:
-            return await asyncio.gather(*(one(http, i) for i in range(32)))
-
-    results = asyncio.run(all_of_them())
-    assert all(text and finish == "length" for text, finish in results)
-
-
-def test_a_full_admission_queue_answers_429_and_the_server_recovers(base_url, client):
-    async def burst():
-        headers = {"Authorization": f"Bearer {KEY}"}
-        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 48, "ignore_eos": True}
-        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300) as http:
-            return await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(60)))
-
-    responses = asyncio.run(burst())
-    statuses = [r.status_code for r in responses]
-    assert set(statuses) == {200, 429} and statuses.count(429) >= 1
-    assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 429)
-    assert client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4).choices[0].message.content
-
-
 def test_client_that_disconnects_mid_stream_frees_its_pages(base_url):
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -543,12 +361,12 @@ def test_client_that_disconnects_mid_stream_frees_its_pages(base_url):
     # The replica publishes its page counts twice a second; give it a bounded while.
     deadline = time.monotonic() + 30
     while (
-        _metric(base_url, "rayapp_pages_free") != _metric(base_url, "rayapp_pages_total")
-        or _metric(base_url, "rayapp_num_running") != 0
+        metric(base_url, "rayapp_pages_free") != metric(base_url, "rayapp_pages_total")
+        or metric(base_url, "rayapp_num_running") != 0
     ):
         assert time.monotonic() < deadline, "the request was not aborted and its pages freed after the client left"
         time.sleep(0.25)
-    assert _metric(base_url, "rayapp_requests_total") > 0
+    assert metric(base_url, "rayapp_requests_total") > 0
 
 
 def test_metrics_cover_the_required_series(base_url):
@@ -565,7 +383,7 @@ def test_metrics_cover_the_required_series(base_url):
         "rayapp_inter_token_latency_seconds_bucket",
     ):
         assert re.search(rf"^{name}{{.*replica=|^{name}{{.*status=", text, re.M), name
-    assert _metric(base_url, "rayapp_cached_prompt_tokens_total") > 0
+    assert metric(base_url, "rayapp_cached_prompt_tokens_total") > 0
 
 
 def _engine_processes(engine: str) -> list:
@@ -618,7 +436,7 @@ def test_a_dead_engine_process_fails_the_health_check_and_the_replica_is_replace
     # Until Serve replaces the replica, requests fail fast (5xx), never hang; then they are answered again.
     deadline = time.monotonic() + 300
     while True:
-        response = _post(base_url, {"model": MODEL, "messages": QUESTION, "max_tokens": 4})
+        response = post(base_url, {"model": MODEL, "messages": QUESTION, "max_tokens": 4})
         if response.status_code == 200:
             break
         assert response.status_code >= 500, response.text

@@ -25,7 +25,7 @@ DEPTHS = [0.15, 0.5, 0.85, 0.3, 0.65, 0.1, 0.45, 0.75]
 
 def test_sparse_finds_the_needle_within_one_case_of_dense(tokenizer):
     # Built sparse, so the device block cache for offloaded cases exists; each run picks its settings.
-    llm = LLM(dtype="bfloat16", max_num_batched_tokens=2048, sparse=SCALED)
+    llm = LLM(max_num_batched_tokens=2048, sparse=SCALED)
     params = SamplingParams(temperature=0.0, max_tokens=16)
     dense_found = sparse_found = offloaded = 0
     for i, (n, depth) in enumerate(zip(LENGTHS, DEPTHS)):
@@ -50,7 +50,7 @@ def test_layerwise_compression_at_its_defaults_finds_the_needle_at_4x_within_one
     cases = [needle_case(tokenizer, n, depth, seed=300 + i) for i, (n, depth) in enumerate(zip(lengths, DEPTHS))]
     defaults = LayerwiseConfig(enabled=True)
     assert defaults.compression_ratio == 4
-    llm = LLM(dtype="bfloat16", max_num_batched_tokens=2048, kv_cache_memory_gb=4.0)
+    llm = LLM(max_num_batched_tokens=2048, kv_cache_memory_gb=4.0)
     params = SamplingParams(temperature=0.0, max_tokens=24)
     found = {}
     for name, config in (("dense", LayerwiseConfig()), ("layerwise", defaults)):
