@@ -8,12 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from rayapp.kernels.cpu import cpu_plan
+
 _spec = importlib.util.spec_from_file_location("kvtier_conftest", Path(__file__).parents[1] / "kvtier" / "conftest.py")
 _kvtier = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_kvtier)
 database, dsn, catalog = _kvtier.database, _kvtier.dsn, _kvtier.catalog
 
 MODEL = "SmolLM2-135M-Instruct"
+# What a user sets on this CPU: bfloat16 where oneDNN has a bf16 path, else float32 (rayapp's `dtype: auto`).
+DTYPE = cpu_plan("auto").dtype_name
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +31,7 @@ def serve_llm_args(model_dir):
                 "accelerator_config": {"kind": "cpu"},
                 "placement_group_config": {"bundles": [{"CPU": 0.5}]},
                 "engine_kwargs": {
-                    "dtype": "bfloat16", "enforce_eager": True, "kv_cache_memory_bytes": 1 << 28, "max_num_seqs": 8,
+                    "dtype": DTYPE, "enforce_eager": True, "kv_cache_memory_bytes": 1 << 29, "max_num_seqs": 8,
                     "enable_prompt_tokens_details": True,
                 },
                 "deployment_config": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0}},

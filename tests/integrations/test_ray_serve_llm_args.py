@@ -55,7 +55,10 @@ def test_a_ray_serve_llm_config_is_served_by_rays_ingress_over_rayapps_server_an
     assert router.request_router_class == ROUTER_CLASS
     kwargs = router.request_router_kwargs
     assert (kwargs["block_size"], kwargs["model_id"]) == (128, MODEL)  # vLLM's CPU page size, pinned for the router
-    assert config.engine_kwargs["block_size"] == 128 and config.engine_kwargs["dtype"] == "bfloat16"
+    assert (
+        config.engine_kwargs["block_size"] == 128
+        and config.engine_kwargs["dtype"] == _llm(args)["engine_kwargs"]["dtype"]
+    )
     assert "kv_transfer_config" not in config.engine_kwargs
     assert SETTINGS_ENV not in (config.runtime_env or {}).get("env_vars", {})
     assert Routing.of(config).router.prefill_weight == 1.0

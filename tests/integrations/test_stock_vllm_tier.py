@@ -20,6 +20,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
 
 from rayapp.blocks import hash_blocks  # noqa: E402
 from rayapp.cli import main  # noqa: E402
+from rayapp.kernels.cpu import cpu_plan  # noqa: E402
 from rayapp.vllm_ext.tier_protocol import LOADED_TOKENS_PARAM  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -29,7 +30,15 @@ HISTORY = " ".join(f"Log {i}: crate {i * 7} went onto truck {i * 13 % 50} at {i 
 
 @pytest.fixture(scope="module")
 def vllm_serve_args(model_dir) -> list[str]:
-    return ["--model", str(model_dir), "--dtype", "bfloat16", "--block-size", str(BLOCK), "--enforce-eager"]
+    return [
+        "--model",
+        str(model_dir),
+        "--dtype",
+        cpu_plan("auto").dtype_name,
+        "--block-size",
+        str(BLOCK),
+        "--enforce-eager",
+    ]
 
 
 def _wait_in_tier(catalog, hashes: list[int]) -> None:
@@ -47,7 +56,7 @@ def test_a_stock_vllm_stores_a_history_in_the_tier_and_loads_it_back(dsn, catalo
     cli = EngineArgs.from_cli_args(parser.parse_args([*vllm_serve_args, "--kv-transfer-config", transfer_json]))
     llm = LLM(
         cli.model, dtype=cli.dtype, block_size=cli.block_size, enforce_eager=cli.enforce_eager,
-        kv_cache_memory_bytes=1 << 28, kv_transfer_config=cli.kv_transfer_config,
+        kv_cache_memory_bytes=1 << 29, kv_transfer_config=cli.kv_transfer_config,
     )  # fmt: skip
     try:
         tokens = llm.get_tokenizer().apply_chat_template(

@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 from rayapp.config import AppConfig, SparseConfig  # noqa: E402
 from rayapp.drivers.backend import EngineRequest  # noqa: E402
 from rayapp.engine.sampling_params import SamplingParams as RayappSamplingParams  # noqa: E402
+from rayapp.kernels.cpu import cpu_plan
 from rayapp.models.loader import resolve_model  # noqa: E402
 from rayapp.models.tokenizer import chat_token_ids, load_tokenizer  # noqa: E402
 from rayapp.sparse.evaluation import needle_case  # noqa: E402
@@ -37,7 +38,13 @@ from rayapp.vllm_ext.retrieval import (  # noqa: E402
 pytestmark = pytest.mark.slow  # vLLM engines
 
 SCALED = {"init_tokens": 64, "local_tokens": 512, "retrieval_block_size": 64, "dense_boundary": 1024}
-ENGINE = {"dtype": "bfloat16", "block_size": 64, "kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
+# The dtype rayapp runs here: bfloat16 where oneDNN has a bf16 path, else float32.
+ENGINE = {
+    "dtype": cpu_plan("auto").dtype_name,
+    "block_size": 64,
+    "kv_cache_memory_bytes": 1 << 30,
+    "enforce_eager": True,
+}
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 DEPTHS = [0.1, 0.3, 0.5, 0.7, 0.9, 0.2, 0.4, 0.6]
 # What a vLLM replica backend with `sparse:` sets in its process (on CPU, its engine's one process too).
@@ -178,7 +185,7 @@ def test_a_vllm_replica_with_sparse_enabled_runs_the_plugin_and_reports_it(promp
 
     needles = prompts[1][4:]
     config = AppConfig(
-        engine="vllm", dtype="bfloat16", block_size=64, kv_cache_memory_gb=1.0, engine_kwargs={"enforce_eager": True},
+        engine="vllm", block_size=64, kv_cache_memory_gb=1.0, engine_kwargs={"enforce_eager": True},
         sparse={"enabled": True, "topk_percent": 0.02, **SCALED},
     )  # fmt: skip
 

@@ -26,6 +26,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 
 from rayapp.blocks import BlockHash, hash_blocks  # noqa: E402
 from rayapp.config import KVTierConfig  # noqa: E402
+from rayapp.kernels.cpu import cpu_plan
 from rayapp.kvtier.catalog import Catalog  # noqa: E402
 from rayapp.kvtier.codec import KVBlock, encode_block  # noqa: E402
 from rayapp.kvtier.embedded import NAMESPACE, start_embedded_database, stop_embedded_database  # noqa: E402
@@ -59,7 +60,7 @@ def tier(tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False)
     config = KVTierConfig(enabled=True, data_dir=str(tmp_path_factory.mktemp("vllm-tier") / "db"))
     llm = LLM(
-        str(resolve_model(None)), dtype="bfloat16", block_size=BLOCK, kv_cache_memory_bytes=1 << 30,
+        str(resolve_model(None)), dtype=cpu_plan("auto").dtype_name, block_size=BLOCK, kv_cache_memory_bytes=1 << 30,
         enforce_eager=True, kv_transfer_config=kv_transfer_config(config, DEFAULT_MODEL),
     )  # fmt: skip
     dsn = start_embedded_database(config.data_dir)
