@@ -53,6 +53,8 @@ HISTORY = " ".join(
     f"Log {i}: the {c} crate from dock {i * 7} was loaded onto truck {i * 13 % 50} by {n} at {i % 12 + 1} o'clock."
     for i, (c, n) in enumerate(zip(["red", "green", "blue", "amber", "white", "black"] * 12, ["Ana", "Bo", "Cy"] * 24))
 )
+# The dtype rayapp runs here: bfloat16 where oneDNN has a bf16 path, else float32.
+DTYPE = cpu_plan("auto").dtype_name
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def tier(tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False)
     config = KVTierConfig(enabled=True, data_dir=str(tmp_path_factory.mktemp("vllm-tier") / "db"))
     llm = LLM(
-        str(resolve_model(None)), dtype=cpu_plan("auto").dtype_name, block_size=BLOCK, kv_cache_memory_bytes=1 << 30,
+        str(resolve_model(None)), dtype=DTYPE, block_size=BLOCK, kv_cache_memory_bytes=1 << 30,
         enforce_eager=True, kv_transfer_config=kv_transfer_config(config, DEFAULT_MODEL),
     )  # fmt: skip
     dsn = start_embedded_database(config.data_dir)
@@ -165,10 +167,11 @@ def test_blocks_of_a_store_that_is_gone_are_recomputed(tier, history):
 
 
 def test_a_block_of_another_dtype_is_refused_never_misread(tier, history):
-    # A block another engine wrote for these very tokens and tenant, in float32: identity right, layout not.
-    salt, tokens = "fp32-writer", history.tokens[:BLOCK]
+    # A block another engine wrote for these very tokens and tenant, in another dtype: identity right, layout not.
+    salt, tokens = "other-dtype-writer", history.tokens[:BLOCK]
     (block_hash,) = _hashes(tokens, salt=salt)
-    kv = torch.zeros(30, BLOCK, HEADS, HEAD_DIM, dtype=torch.float32)
+    other = torch.bfloat16 if DTYPE == "float32" else torch.float32
+    kv = torch.zeros(30, BLOCK, HEADS, HEAD_DIM, dtype=other)
     block = KVBlock(block_hash, None, tuple(tokens), DEFAULT_MODEL, kv, kv.clone(), salt)
     assert ray.get(_store().put_many.remote([np.frombuffer(encode_block(block), np.uint8)])).kept == (True,)
     out = _generate(tier.llm, history.tokens, salt=salt)
