@@ -122,6 +122,21 @@ def test_health_models_and_metrics_answer(base_url, client):
     assert metric(base_url, "rayapp_pages_total") > 0
 
 
+def test_the_engines_kv_events_reach_the_routers_index(client, config):
+    """The engine's own KV events (rayapp's, or vLLM's through `rayapp.vllm_ext.kv_events`) feed the PrefixIndex
+    the router matches prompts against (the router itself is judged over the scripted backend). First of the
+    module's generations: no block is evicted meanwhile, so every one of the prompt's full blocks adds one."""
+    index = prefix_index("rayapp", config.router)
+    before = ray.get(index.stats.remote())["blocks"]
+    opening = " ".join(f"Fact {i}: the lighthouse keeper counted {i * 7} ships." for i in range(40))
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": opening}], max_tokens=2)
+    stored = before + reply.usage.prompt_tokens // config.kv_block_size()
+    deadline = time.monotonic() + 30
+    while ray.get(index.stats.remote())["blocks"] < stored:
+        assert time.monotonic() < deadline, "the prompt's blocks never reached the PrefixIndex"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize(
     "messages",
     [
@@ -281,20 +296,6 @@ def test_second_turn_reuses_the_first_turns_pages(client, offline, config):
     # Every full page of the first turn's prompt (a block size short of all of it, at most) is reused.
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - config.kv_block_size()
     assert second.choices[0].message.content == offline(messages, 24)
-
-
-def test_the_engines_kv_events_reach_the_routers_index(client, config):
-    """The engine's own KV events (rayapp's, or vLLM's through `rayapp.vllm_ext.kv_events`) feed the PrefixIndex
-    the router matches prompts against (the router itself is judged over the scripted backend)."""
-    index = prefix_index("rayapp", config.router)
-    before = ray.get(index.stats.remote())["blocks"]
-    opening = " ".join(f"Fact {i}: the lighthouse keeper counted {i * 7} ships." for i in range(40))
-    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": opening}], max_tokens=2)
-    stored = before + reply.usage.prompt_tokens // config.kv_block_size()
-    deadline = time.monotonic() + 30
-    while ray.get(index.stats.remote())["blocks"] < stored:
-        assert time.monotonic() < deadline, "the prompt's blocks never reached the PrefixIndex"
-        time.sleep(0.2)
 
 
 def test_completions_endpoint(base_url, client):
