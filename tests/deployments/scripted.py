@@ -95,9 +95,8 @@ class _PrefixCache:
         return _Held(list(hashes), private), hits
 
     def release(self, held: _Held) -> None:
-        for h in held.blocks:
-            if h in self.blocks:
-                self.blocks[h].refs -= 1
+        for h in held.blocks:  # held blocks are never evicted
+            self.blocks[h].refs -= 1
         self.private -= held.private
 
     def snapshot(self) -> list[KVEvent]:
