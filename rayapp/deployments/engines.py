@@ -95,6 +95,9 @@ class RayappBackend:
     async def flush_tier(self) -> None:
         await self.engine.flush_tier()
 
+    def engine_pid(self) -> int | None:
+        return self.engine.pid
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

@@ -91,6 +91,10 @@ class LLMReplica:
         """Return once every block this replica queued for the cluster KV tier is written (no-op without one)."""
         await self.engine.flush_tier()
 
+    def engine_pid(self) -> int | None:
+        """The PID of the process stepping this replica's engine (rayapp's engine process, vLLM's engine core)."""
+        return self.engine.engine_pid()
+
     async def _push_metrics(self) -> None:
         while True:
             with contextlib.suppress(Exception):  # metrics must never take a replica down

@@ -108,4 +108,9 @@ class EngineBackend(Protocol):
         """Return once every block queued for the cluster KV tier is written (at once without a tier)."""
         ...
 
+    def engine_pid(self) -> int | None:
+        """The PID of the process that steps the engine (for an operator's `py-spy dump`, or a drill's kill);
+        None when it steps in the replica's own process."""
+        ...
+
     def shutdown(self) -> None: ...

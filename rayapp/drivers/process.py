@@ -145,6 +145,10 @@ class EngineProcess:
         """Return once every block the engine queued for the cluster tier is written (at once without one)."""
         await self._call("flush_tier")
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
     def is_running(self) -> bool:
         return self._dead is None and self._process.is_alive()
 

@@ -365,6 +365,11 @@ class VLLMBackend:
         """Nothing to wait on here: the tier's writes are queued in vLLM's worker process, which this
         process cannot reach; the catalog shows when they landed."""
 
+    def engine_pid(self) -> int | None:
+        """The engine core's process (None where vLLM runs its core in this process)."""
+        manager = self.engine.engine_core.resources.engine_manager
+        return manager.processes[0].pid if manager is not None and manager.processes else None
+
     def shutdown(self) -> None:
         self.events.close()
         self.engine.shutdown()

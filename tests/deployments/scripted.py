@@ -213,5 +213,8 @@ class ScriptedBackend:
     async def flush_tier(self) -> None:
         """No tier."""
 
+    def engine_pid(self) -> None:
+        """The script runs in the replica's process."""
+
     def shutdown(self) -> None:
         """Nothing runs beside the replica."""

@@ -17,7 +17,10 @@ pytest.importorskip("vllm", reason="engine: vllm needs vLLM")
 
 REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 REVISION = "89ab0123456789abcdef0123456789abcdef0123"
-VLLM = dict(engine="vllm", dtype="float32", kv_cache_memory_gb=0.25, max_model_len=1024, num_cpus=0.5)
+VLLM = dict(
+    engine="vllm", dtype="float32", kv_cache_memory_gb=0.25, max_model_len=1024, num_cpus=0.5,
+    engine_kwargs={"enforce_eager": True},
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,11 @@ import openai
 import psutil
 import pytest
 import ray
+from ray import serve
 from served import ASK_WEATHER, CLOCK, KEY, MODEL, QUESTION, SYSTEM, TEMPLATE, WEATHER, error_of, metric, named, post
 
 from rayapp import LLM, SamplingParams
 from rayapp.config import AppConfig
-from rayapp.drivers.process import PROCESS_NAME
 from rayapp.models.tokenizer import chat_token_ids
 from rayapp.prefix_router.actor import prefix_index
 
@@ -403,52 +403,23 @@ def test_metrics_cover_the_required_series(base_url):
     assert metric(base_url, "rayapp_cached_prompt_tokens_total") > 0
 
 
-def _engine_processes(engine: str) -> list:
-    """The Serve replicas' engine processes: vLLM's engine cores, or rayapp's engine processes (the offline
-    reference's engine is this test process' own, or its child)."""
-    import os
-
-    def replica_child(p) -> bool:
-        try:
-            return "LLMReplica" in " ".join(psutil.Process(p.info["ppid"]).cmdline())
-        except psutil.Error:
-            return False
-
-    def named(p) -> bool:
-        if engine == "vllm":
-            # vLLM titles its engine core `VLLM::EngineCore`; /proc's 15-character name has `VLLM::EngineCor`. A CI run
-            # found neither for a minute, its engine core alive, and a bench run one named `python3`: it is also the
-            # replica's child that is not multiprocessing's resource tracker.
-            cmdline = " ".join(p.info["cmdline"] or [])
-            titled = "EngineCore" in cmdline or "EngineCor" in (p.info["name"] or "")
-            return titled or (replica_child(p) and "resource_tracker" not in cmdline)
-        return p.info["name"] == PROCESS_NAME
-
-    # psutil caches a Process per PID across calls and skips (once) one whose PID was reused since: after the PIDs
-    # wrap, as on a long CI run, the engine core could be missed.
-    psutil.process_iter.cache_clear()
-    return [p for p in psutil.process_iter(["name", "cmdline", "ppid"]) if named(p) and p.info["ppid"] != os.getpid()]
-
-
-def _the_engine_process(engine: str) -> psutil.Process:
-    # A CI run once found no engine process here, though the replica's was alive: look again for a while.
-    deadline = time.monotonic() + 60
-    while len(cores := _engine_processes(engine)) != 1 and time.monotonic() < deadline:
-        time.sleep(2)
-    assert len(cores) == 1, cores
-    return cores[0]
+def _the_engine_process() -> psutil.Process:
+    """The replica's engine process (vLLM's engine core, or rayapp's engine process), by the PID the replica holds."""
+    pid = serve.get_deployment_handle("LLMReplica", app_name="rayapp").engine_pid.remote().result()
+    assert pid is not None, "the replica's engine steps in the replica's own process"
+    return psutil.Process(pid)
 
 
 def test_a_vllm_replica_on_cpu_steps_its_model_in_its_engine_core(base_url, config):
     """No worker process of vLLM's beside the engine core, spinning between steps (cpu_binding.one_process_engine)."""
     if config.engine != "vllm":
         pytest.skip("vLLM replicas only")
-    children = _the_engine_process(config.engine).children(recursive=True)
+    children = _the_engine_process().children(recursive=True)
     assert [p.name() for p in children if "Worker" in p.name() or "Worker" in " ".join(p.cmdline())] == []
 
 
 def test_a_dead_engine_process_fails_the_health_check_and_the_replica_is_replaced(base_url, client, config):
-    core = _the_engine_process(config.engine)
+    core = _the_engine_process()
     core.kill()
     # Until Serve replaces the replica, requests fail fast (5xx), never hang; then they are answered again.
     deadline = time.monotonic() + 300
@@ -459,4 +430,4 @@ def test_a_dead_engine_process_fails_the_health_check_and_the_replica_is_replace
         assert response.status_code >= 500, response.text
         assert time.monotonic() < deadline, "the replica with a dead engine process was never replaced"
         time.sleep(2)
-    assert [p.pid for p in _engine_processes(config.engine)] != [core.pid]
+    assert _the_engine_process().pid != core.pid

@@ -127,17 +127,27 @@ def prepack(request, monkeypatch) -> bool:
     return request.param
 
 
-@pytest.mark.slow
-def test_greedy_matches_transformers_one_at_a_time_then_batched_from_cache(prompts, reference):
+@pytest.fixture(scope="module")
+def served_twice(prompts):
+    """rayapp's engine (float32, its default linears) answering every prompt one at a time, then all of them in one
+    batch with top-5 logprobs, every prompt's pages then in the prefix cache: (singles, batched, cached tokens of
+    the batch)."""
     llm = LLM(dtype="float32")
     assert _packed(llm) == detect().onednn
     singles = [llm.generate(prompt_token_ids=p, sampling_params=GREEDY)[0] for p in prompts]
-    _assert_matches(singles, reference, "one at a time")
     before = llm.stats()["cached_prompt_tokens"]
-    batched = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5)
+    batched = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    return singles, batched, llm.stats()["cached_prompt_tokens"] - before
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_one_at_a_time_then_batched_from_cache(prompts, reference, served_twice):
+    singles, batched, cached = served_twice
+    _assert_matches(singles, reference, "one at a time")
     _assert_matches(batched, reference, "batched, prefix cache warm")
     # Every prompt was seen before, so all but each prompt's last (partial) block comes from the cache.
-    assert llm.stats()["cached_prompt_tokens"] - before >= sum(len(p) - 16 for p in prompts)
+    assert cached >= sum(len(p) - 16 for p in prompts)
 
 
 @pytest.mark.slow
@@ -183,11 +193,8 @@ def test_greedy_matches_transformers_when_pages_run_out_and_sequences_are_preemp
 
 
 @pytest.mark.slow
-def test_logprobs_equal_the_log_softmax_of_transformers_logits(prompts, reference):
-    llm = LLM(dtype="float32")
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5)
-    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    for out, (ref_tokens, ref_logits) in zip(outputs, reference):
+def test_logprobs_equal_the_log_softmax_of_transformers_logits(reference, served_twice):
+    for out, (ref_tokens, ref_logits) in zip(served_twice[1], reference):
         got = out.outputs[0]
         assert len(got.logprobs) == len(got.token_ids)
         ref_logp = ref_logits.log_softmax(dim=-1)
