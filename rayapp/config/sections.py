@@ -108,7 +108,8 @@ class KVTierSettings(BaseModel):
     )
     dsn: str | None = Field(
         None,
-        description="PostgreSQL / openGauss connection string of the catalog; unset: the replica's "
+        description="PostgreSQL / openGauss connection string of the catalog (opengauss://...: the gaussdb driver, "
+        "for openGauss's sha256 login); unset: the replica's "
         "RAYAPP_KVTIER_DSN environment variable if set (with no data_dir), else rayapp starts an embedded "
         "PostgreSQL + pgvector once per cluster, on the head node, reachable from every node",
     )

@@ -2,7 +2,8 @@
 
 All of rayapp's SQL is `CatalogSQL` (`rayapp.kvtier.catalog_sql`), which renders the statements of one
 dialect (pure text, so the openGauss ones are testable without an openGauss server); `Catalog` runs
-them through a psycopg 3 connection pool with parameters only, never with values spliced into the text.
+them through a connection pool of psycopg 3 (or of `gaussdb`, its fork for openGauss's authentication:
+`rayapp.kvtier.driver`) with parameters only, never with values spliced into the text.
 
 The catalog is consulted per request, never per token. When the database cannot be reached the
 catalog disables itself with one warning and answers as if it were empty (writes return False);
@@ -34,6 +35,7 @@ from psycopg_pool import ConnectionPool
 
 from rayapp.blocks import BlockHash
 from rayapp.kvtier.catalog_sql import UPSERT_COLUMNS, CatalogSQL, Dialect, detect_dialect
+from rayapp.kvtier.driver import Driver, driver_for
 from rayapp.kvtier.records import (
     BlockKey,
     BlockLocation,
@@ -46,10 +48,6 @@ from rayapp.kvtier.records import (
 )
 
 logger = logging.getLogger("rayapp.kvtier")
-
-# Failures of the database rather than of rayapp's SQL: they disable the catalog until a retry. A
-# missing table (the server was re-initialized under us) is one: the reconnect creates it again.
-_UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, psycopg.errors.UndefinedTable)
 
 _T = TypeVar("_T")
 # pgvector and openGauss DataVec both cap a `vector` column at 16,000 dimensions.
@@ -78,11 +76,11 @@ def _deleted_keys(cursor: psycopg.Cursor) -> list[BlockKey]:
     return [BlockKey(from_db_hash(h), group) for h, group in cursor.fetchall()]
 
 
-def _describe(dsn: str) -> str:
+def _describe(driver: Driver) -> str:
     # Host, port and database only: a DSN can carry a password, which must not reach the logs.
     try:
-        parts = psycopg.conninfo.conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError:
+        parts = driver.conninfo_parts()
+    except driver.module.ProgrammingError:
         return "<unparsable DSN>"
     return f"{parts.get('host', 'localhost')}:{parts.get('port', 5432)}/{parts.get('dbname', '')}"
 
@@ -92,7 +90,8 @@ class Catalog:
 
     Construction creates the table (and the pgvector extension on PostgreSQL) when missing; it
     does not raise when the database is unreachable, it starts disabled. A table made earlier with
-    another representation dimension is a `ValueError`.
+    another representation dimension is a `ValueError`, and so is an `opengauss://` DSN where the
+    gaussdb driver cannot be loaded.
     """
 
     def __init__(
@@ -110,6 +109,9 @@ class Catalog:
         if max_connections < 1:
             raise ValueError(f"max_connections={max_connections} must be >= 1")
         self.dsn = dsn
+        self._driver = driver_for(dsn)
+        # Failures of the database rather than of rayapp's SQL: they disable the catalog until a retry.
+        self._unreachable = self._driver.unreachable
         self.representation_dim = representation_dim
         self._max_connections = max_connections
         # libpq's connect_timeout is whole seconds, at least 2.
@@ -165,13 +167,15 @@ class Catalog:
         try:
             # A plain connection first: a down server fails here quickly and quietly, where a
             # pool would keep retrying (and logging) in the background.
-            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=self._connect_timeout_s) as conn:
+            with self._driver.module.connect(
+                self._driver.conninfo, autocommit=True, connect_timeout=self._connect_timeout_s
+            ) as conn:
                 version = conn.execute("SELECT version()").fetchone()[0]
                 sql = CatalogSQL(detect_dialect(version), self.representation_dim)
                 self._create_schema(conn, sql)
             # One connection kept open: a lookup on a request's admission must not wait on a login.
-            pool = ConnectionPool(
-                self.dsn,
+            pool = self._driver.pool_class(
+                self._driver.conninfo,
                 min_size=1,
                 max_size=self._max_connections,
                 timeout=self._connect_timeout_s,
@@ -185,17 +189,17 @@ class Catalog:
             )  # fmt: skip
             try:
                 pool.open(wait=True, timeout=self._connect_timeout_s)
-            except _UNREACHABLE:
+            except self._unreachable:
                 pool.close()
                 raise
-        except _UNREACHABLE as err:
+        except self._unreachable as err:
             with self._lock:
                 self._disable_locked(err)
             return
         with self._lock:
             self._sql, self._pool = sql, pool
             if self._disabled:
-                logger.info("cluster KV tier catalog at %s is reachable again", _describe(self.dsn))
+                logger.info("cluster KV tier catalog at %s is reachable again", _describe(self._driver))
                 self._disabled = False
 
     def _create_schema(self, conn: psycopg.Connection, sql: CatalogSQL) -> None:
@@ -216,8 +220,7 @@ class Catalog:
             logger.warning(
                 "cluster KV tier disabled: catalog database %s is unreachable (%s); requests go on without "
                 "the tier, the database is tried again in %.0f s",
-                _describe(self.dsn), str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__,
-                self._retry_after_s,
+                _describe(self._driver), self._driver.explain(err), self._retry_after_s,
             )  # fmt: skip
         if pool is not None:
             # Off this thread: closing waits on the pool's workers, which a frozen database can hold.
@@ -245,12 +248,12 @@ class Catalog:
             with pool.connection() as conn:
                 try:
                     return work(conn, sql)
-                except _UNREACHABLE as err:
+                except self._unreachable as err:
                     # Close the pool before the broken connection goes back to it: a closed pool just
                     # drops it, where an open one would log it and start reconnecting in the background.
                     self._disable_if_current(pool, err)
                     return default
-        except _UNREACHABLE as err:  # no connection could be had at all
+        except self._unreachable as err:  # no connection could be had at all
             self._disable_if_current(pool, err)
             return default
 
