@@ -40,7 +40,7 @@ from rayapp.deployments.protocol import (
     parse,
     read_body,
 )
-from rayapp.deployments.readiness import not_ready
+from rayapp.deployments.readiness import not_ready, report_until_ready
 from rayapp.deployments.responses import LogprobsFormat, event, full_response, stream_chunk, usage_body
 from rayapp.deployments.tools import ToolAnswer, template_problem
 from rayapp.drivers.backend import GenerateDelta
@@ -145,17 +145,23 @@ class OpenAIIngress:
         self.app_name = serve.get_replica_context().app_name
         self.hub = HubClient(self.app_name)
         self.prefix_index = IndexShards.connect(self.app_name, self.config.router)
+        self._start_report = asyncio.get_event_loop().create_task(report_until_ready(self._waiting_for))
 
-    @app.get("/health")
-    async def health(self) -> Response:
+    async def _waiting_for(self) -> list[dict[str, str]]:
+        """Nothing when a replica answers; else what the application waits for: a replica still loading, one
+        Ray cannot place, or one whose engine cannot start (Serve's last error for it)."""
         try:
             await asyncio.wait_for(self.replica.stats.remote(), timeout=5)
         except Exception:
-            # 503 with what the application waits for: a replica still loading, one Ray cannot place, or one
-            # whose engine cannot start (Serve's last error for it).
-            waiting = await not_ready(self.app_name) or [
+            return await not_ready(self.app_name) or [
                 {"deployment": "LLMReplica", "status": "HEALTHY", "message": "no replica answered within 5 s"}
             ]
+        return []
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        waiting = await self._waiting_for()
+        if waiting:
             return JSONResponse({"status": "unavailable", "waiting_for": waiting}, status_code=503)
         return Response(status_code=200)
 

@@ -4,17 +4,27 @@ A replica whose engine cannot start (a dtype this CPU cannot run, a model that d
 constructor; Serve retries it a bounded number of times (`RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT`, 3 per
 replica) and then marks the deployment DEPLOY_FAILED with the constructor's traceback as its message. A
 replica still loading is UPDATING; one Ray cannot place says which resources it waits for.
+
+The same entries reach the log: `report_until_ready` writes what the application waits for every
+`REPORT_PERIOD_S` until it answers, so the output of `serve run` says why `/health` still answers 503.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ray import serve
 
+logger = logging.getLogger(__name__)
+
 # Seconds `/health` waits for Serve's controller before saying it could not ask.
 STATUS_TIMEOUT_S = 5.0
+# How often a starting application says in the log what it waits for (at least once a minute, as asked of it).
+REPORT_PERIOD_S = 30.0
 
 
 def _error_line(message: str) -> str:
@@ -53,3 +63,32 @@ async def not_ready(app_name: str) -> list[dict[str, str]]:
     if application is None:
         return [{"deployment": "*", "status": "UNKNOWN", "message": f"Serve has no application {app_name!r}"}]
     return describe_deployments(application.deployments)
+
+
+def describe_waiting(waiting: list[dict[str, str]]) -> str:
+    """The entries of `describe_deployments` on one line: `deployment STATUS: message (error)`, `; `-joined."""
+    parts = []
+    for entry in waiting:
+        part = f"{entry['deployment']} {entry['status']}: {entry['message'] or 'no message from Serve yet'}"
+        parts.append(f"{part} ({entry['error']})" if "error" in entry else part)
+    return "; ".join(parts)
+
+
+async def report_until_ready(
+    waiting_for: Callable[[], Awaitable[list[dict[str, str]]]], period_s: float = REPORT_PERIOD_S
+) -> None:
+    """Log what `waiting_for()` names every `period_s` until it names nothing, then that the application is ready.
+
+    Runs beside the ingress from its start; a failed deployment keeps being reported (Serve does not retry it)."""
+    start = time.monotonic()
+    while True:
+        await asyncio.sleep(period_s)
+        waiting = await waiting_for()
+        elapsed = time.monotonic() - start
+        if not waiting:
+            logger.info("rayapp answers: every deployment is ready, %.0f s after the ingress started", elapsed)
+            return
+        logger.warning(
+            "rayapp does not answer yet (%.0f s after the ingress started; /health answers 503): waiting for %s",
+            elapsed, describe_waiting(waiting),
+        )  # fmt: skip

@@ -1,10 +1,13 @@
-"""`/health`'s 503 body: what each deployment that is not healthy waits for, from Serve's own status."""
+"""`/health`'s 503 body: what each deployment that is not healthy waits for, from Serve's own status, and the
+same in the log until the application answers."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from types import SimpleNamespace
 
-from rayapp.deployments.readiness import describe_deployments
+from rayapp.deployments.readiness import describe_deployments, report_until_ready
 
 FAILED = (
     "The deployment failed to start 3 times in a row. This may be due to a problem with its constructor or initial "
@@ -40,3 +43,21 @@ def test_a_replica_waiting_for_resources_says_which_and_carries_no_error():
 
 def test_healthy_deployments_wait_for_nothing():
     assert describe_deployments({"LLMReplica": SimpleNamespace(status="HEALTHY", message="")}) == []
+
+
+def test_a_starting_application_says_in_the_log_what_it_waits_for_until_it_answers(caplog):
+    pending = describe_deployments({"LLMReplica": SimpleNamespace(status="UPDATING", message=PENDING)})
+    failed = describe_deployments({"LLMReplica": SimpleNamespace(status="DEPLOY_FAILED", message=FAILED)})
+    answers = iter([pending, failed, []])
+
+    async def waiting_for():
+        return next(answers)
+
+    with caplog.at_level(logging.INFO, logger="rayapp.deployments.readiness"):
+        asyncio.run(report_until_ready(waiting_for, period_s=0.01))
+    first, second, ready = [r.getMessage() for r in caplog.records]
+    assert "does not answer yet" in first and "LLMReplica UPDATING: Deployment 'LLMReplica'" in first
+    assert 'Resources required for each replica: {"CPU": 1}' in first
+    assert "LLMReplica DEPLOY_FAILED: The deployment failed to start 3 times in a row." in second
+    assert "(RuntimeError: rayapp's engine did not start: ValueError: dtype: bfloat16" in second
+    assert "rayapp answers" in ready
