@@ -142,6 +142,13 @@ class AppConfig(BaseModel):
     max_queued_requests: int = Field(
         256, ge=1, description="Requests admitted at once across replicas; more get HTTP 429"
     )
+    graceful_shutdown_timeout_s: float = Field(
+        30,
+        ge=0,
+        description="How long a replica being replaced (a rolling upgrade, a scale-down) goes on decoding the "
+        "answers it started; an answer still running then moves to a new replica and goes on there (its prompt "
+        "and the tokens so far recomputed, or loaded from the tier)",
+    )
     limits: LimitSettings = Field(default_factory=LimitSettings, description="Request size limits")
     router: RouterConfig = Field(default_factory=RouterConfig, description="Request routing across replicas")
     sparse: SparseSettings = Field(

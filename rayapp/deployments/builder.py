@@ -16,6 +16,9 @@ from rayapp.deployments.replica import LLMReplica
 from rayapp.prefix_router.router import PrefixAwareRouter
 from rayapp.prefix_router.shards import IndexShards
 
+# How long a replaced ingress (a rolling upgrade) keeps the streams it holds open: Serve stops it as soon as they end.
+INGRESS_DRAIN_TIMEOUT_S = 3600
+
 
 def build_app(args: dict[str, Any]) -> Application:
     """The `import_path` of `rayapp.config.yaml`: `args` is validated by `AppConfig`."""
@@ -51,7 +54,7 @@ def build(config: AppConfig, backend_cls: type | None = None, app_name: str = "r
         **config.placement_group_options(),
         # Replicas batch continuously: let Serve hand each one as many requests as it can queue.
         max_ongoing_requests=config.max_queued_requests,
-        graceful_shutdown_timeout_s=30,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         request_router_config={"request_router_class": router.request_router_class, "request_router_kwargs": kwargs},
     ).bind(config.model_dump(exclude_unset=True), backend_cls)
     ingress = serve.deployment(
@@ -59,6 +62,8 @@ def build(config: AppConfig, backend_cls: type | None = None, app_name: str = "r
         name="OpenAIIngress",
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=config.max_queued_requests + 64,
+        # A replaced ingress holds its clients' streams, which outlive the replicas' drain (their answers move).
+        graceful_shutdown_timeout_s=INGRESS_DRAIN_TIMEOUT_S,
     )
     return ingress.bind(replica, config.model_dump(exclude_unset=True))
 
