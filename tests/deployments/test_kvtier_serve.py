@@ -16,6 +16,7 @@ import pytest
 from ray import serve
 
 from rayapp.config import AppConfig
+from rayapp.deployments.builder import build
 from rayapp.kvtier.catalog import Catalog
 from rayapp.kvtier.embedded import start_embedded_database, stop_embedded_database
 
@@ -89,4 +90,18 @@ def test_cold_replica_serves_turn_two_from_the_tier(config, base_url):
     assert stats["tier_loaded_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
     # Served again by the replica that wrote turn 1, from its own cache: the same greedy answer.
     again = _chat(base_url, "tier-a", messages)
+    assert again["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+    _upgraded_replica_refills_from_the_tier(config, base_url, messages, second)
+
+
+def _upgraded_replica_refills_from_the_tier(config: AppConfig, base_url: str, messages: list, second: dict) -> None:
+    """A rolling upgrade of tier-a (a changed max_num_seqs) starts a replica with an empty cache: it loads the
+    conversation's history from the tier instead of computing it, and answers as before."""
+    serve.run(build(config.model_copy(update={"max_num_seqs": 32}), app_name="tier-a"), name="tier-a",
+              route_prefix="/tier-a")  # fmt: skip
+    again = _chat(base_url, "tier-a", messages)
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 0.9 * again["usage"]["prompt_tokens"]
+    stats = serve.get_deployment_handle("LLMReplica", app_name="tier-a").stats.remote().result()
+    assert stats["tier_loaded_tokens"] == cached
     assert again["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
