@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 from types import SimpleNamespace
 
 from rayapp.deployments.readiness import describe_deployments, report_until_ready
@@ -61,3 +63,11 @@ def test_a_starting_application_says_in_the_log_what_it_waits_for_until_it_answe
     assert "LLMReplica DEPLOY_FAILED: The deployment failed to start 3 times in a row." in second
     assert "(RuntimeError: rayapp's engine did not start: ValueError: dtype: bfloat16" in second
     assert "rayapp answers" in ready
+
+
+def test_an_application_imported_without_rayapps_dependencies_says_which_cluster_to_stop():
+    """As in the workers of a Ray cluster left running from another environment, which `serve run` joins."""
+    lacking_torch = "import sys; sys.modules['torch'] = None; import rayapp.deployments"
+    run = subprocess.run([sys.executable, "-c", lacking_torch], capture_output=True, text=True)
+    assert run.returncode != 0
+    assert f"imported by {sys.executable}, which lacks torch" in run.stderr and "`ray stop`" in run.stderr
