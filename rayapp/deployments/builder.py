@@ -13,6 +13,7 @@ from rayapp.config import AppConfig
 from rayapp.deployments.engines import backend_class, pin_model
 from rayapp.deployments.ingress import OpenAIIngress
 from rayapp.deployments.replica import LLMReplica
+from rayapp.kvtier.embedded import HEAD_NODE_RESOURCE
 from rayapp.prefix_router.router import PrefixAwareRouter
 from rayapp.prefix_router.shards import IndexShards
 
@@ -60,7 +61,9 @@ def build(config: AppConfig, backend_cls: type | None = None, app_name: str = "r
     ingress = serve.deployment(
         OpenAIIngress,
         name="OpenAIIngress",
-        ray_actor_options={"num_cpus": 0},
+        # The ingress holds its clients' streams and what a moved answer continues from: on the head, whose loss
+        # is the cluster's, a worker node's loss takes only replicas (their answers move) and that node's store.
+        ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
         max_ongoing_requests=config.max_queued_requests + 64,
         # A replaced ingress holds its clients' streams, which outlive the replicas' drain (their answers move).
         graceful_shutdown_timeout_s=INGRESS_DRAIN_TIMEOUT_S,

@@ -66,8 +66,13 @@ class RayappBackend:
         if config.kvtier.enabled:
             import ray  # the tier's blocks live in this cluster's object store
 
-            address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
-            setup = functools.partial(_attach_tier, address)
+            address = node_id = None
+            if ray.is_initialized():
+                # The engine process joins Ray as a driver of its own, through whichever raylet has this node's
+                # IP: it writes to the store of the replica's node, named.
+                context = ray.get_runtime_context()
+                address, node_id = context.gcs_address, context.get_node_id()
+            setup = functools.partial(_attach_tier, address, node_id)
         return cls(EngineProcess(config.engine_config(), setup))
 
     def generate(self, request: EngineRequest) -> AsyncIterator[GenerateDelta]:
@@ -102,9 +107,10 @@ class RayappBackend:
         self.engine.shutdown()
 
 
-def _attach_tier(ray_address: str | None, engine: LLMEngine) -> Any:
-    """In the engine's process: join the replica's Ray cluster and attach the cluster tier to `engine` (None,
-    with one warning, when it cannot be reached: the engine serves without it)."""
+def _attach_tier(ray_address: str | None, node_id: str | None, engine: LLMEngine) -> Any:
+    """In the engine's process: join the replica's Ray cluster and attach the cluster tier to `engine`, writing to
+    the store of the replica's node `node_id` (None, with one warning, when it cannot be reached: the engine
+    serves without it)."""
     if ray_address is None:
         log_unavailable(RuntimeError("the cluster KV tier needs Ray, and the replica runs outside a Ray cluster"))
         return None
@@ -115,7 +121,7 @@ def _attach_tier(ray_address: str | None, engine: LLMEngine) -> Any:
     try:
         if not ray.is_initialized():
             join_ray(ray_address)
-        return attach_tier(engine)
+        return attach_tier(engine, node_id)
     except Exception as error:  # no database, no store: serve without the tier rather than not at all
         log_unavailable(error)
         return None

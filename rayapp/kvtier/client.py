@@ -70,8 +70,9 @@ _REMEMBERED_WRITES = 1 << 16
 
 class KVTierClient:
     """Connects one engine to the cluster tier: the catalog at `config.dsn` (or the embedded database,
-    started once per cluster when `dsn` is unset) and this node's store actor. Needs Ray initialized.
-    `coalesce_s` and `max_batch_bytes` bound the writer's batches (`max_batch_bytes=1`: one run per batch)."""
+    started once per cluster when `dsn` is unset) and the store actor of node `node_id` (None: the node this
+    process joined Ray through). Needs Ray initialized. `coalesce_s` and `max_batch_bytes` bound the writer's
+    batches (`max_batch_bytes=1`: one run per batch)."""
 
     def __init__(
         self,
@@ -82,6 +83,7 @@ class KVTierClient:
         *,
         coalesce_s: float = COALESCE_S,
         max_batch_bytes: int = MAX_BATCH_BYTES,
+        node_id: str | None = None,
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("the cluster KV tier needs Ray: call ray.init() first (the offline LLM does)")
@@ -92,7 +94,7 @@ class KVTierClient:
         self.coalesce_s, self.max_batch_bytes = coalesce_s, max_batch_bytes
         self.dsn = config.dsn or start_embedded_database(config.data_dir)
         self.catalog = Catalog(self.dsn, representation_dim)
-        self.store = get_or_create_store(self.dsn, representation_dim, config.capacity_bytes)
+        self.store = get_or_create_store(self.dsn, representation_dim, config.capacity_bytes, node_id=node_id)
         self._queue: queue.Queue[_Run | None] = queue.Queue()
         self._lock = threading.Lock()
         self._pending_bytes = 0
@@ -263,12 +265,17 @@ class _Run:
         return self.key.nbytes + self.value.nbytes
 
 
-def attach_tier(engine: LLMEngine) -> KVTierClient:
-    """Connect `engine` to the cluster tier its `config.kvtier` names (Ray must be initialized)."""
+def attach_tier(engine: LLMEngine, node_id: str | None = None) -> KVTierClient:
+    """Connect `engine` to the cluster tier its `config.kvtier` names, writing to node `node_id`'s store (Ray must
+    be initialized)."""
     spec = engine.spec
     # The catalog's representation column holds one vector per KV head (sparse retrieval's mean keys).
     tier = KVTierClient(
-        engine.config.kvtier, engine.model_id, engine.block_manager.block_size, spec.num_kv_heads * spec.head_dim
+        engine.config.kvtier,
+        engine.model_id,
+        engine.block_manager.block_size,
+        spec.num_kv_heads * spec.head_dim,
+        node_id=node_id,
     )
     connect(engine, tier)
     return tier

@@ -23,7 +23,7 @@ DB_ACTOR_NAME = "rayapp-kvtier-db"
 # Seconds between the database actor's checks that its server still runs (it is started again if not).
 SUPERVISE_PERIOD_S = 2.0
 # Ray gives the head node (only) one unit of this resource: asking for a sliver of it pins an actor there.
-_HEAD_NODE_RESOURCE = "node:__internal_head__"
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
 # Forks away from the actor (Ray kills a dead worker's child processes, not its grandchildren), reads
@@ -96,7 +96,7 @@ def start_embedded_database(data_dir: str | Path | None = None, *, host: str | N
     actor = (
         ray.remote(_DatabaseActor)
         .options(name=DB_ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                 num_cpus=0, resources={_HEAD_NODE_RESOURCE: 0.001}, max_restarts=-1, max_task_retries=3)
+                 num_cpus=0, resources={HEAD_NODE_RESOURCE: 0.001}, max_restarts=-1, max_task_retries=3)
         .remote(str(data_dir if data_dir is not None else default_data_dir()), host)
     )  # fmt: skip
     return ray.get(actor.start.remote())

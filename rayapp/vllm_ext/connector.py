@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 
 def kv_transfer_config(tier: KVTierConfig, model_id: str, **settings: Any) -> KVTransferConfig:
     """vLLM's `kv_transfer_config` for the cluster tier `tier` (its embedded database started here when
-    `tier.dsn` is unset, so Ray must be initialized). `model_id` must be the name the ingress hashes with."""
+    `tier.dsn` is unset, so Ray must be initialized), for a vLLM engine on this process's node, whose blocks go to
+    this node's store. `model_id` must be the name the ingress hashes with."""
     if not ray.is_initialized():
         raise RuntimeError("the cluster KV tier needs Ray: call ray.init() before building vLLM's engine")
     resolved = TierSettings(
@@ -64,6 +65,7 @@ def kv_transfer_config(tier: KVTierConfig, model_id: str, **settings: Any) -> KV
         capacity_bytes=tier.capacity_bytes,
         min_load_tokens=tier.min_load_tokens,
         ray_address=ray.get_runtime_context().gcs_address,
+        node_id=ray.get_runtime_context().get_node_id(),
         **settings,
     )
     return KVTransferConfig(

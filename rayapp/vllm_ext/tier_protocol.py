@@ -40,6 +40,8 @@ class TierSettings:
     min_load_tokens: int = KVTierConfig.min_load_tokens
     # The Ray cluster the worker joins to reach the node stores; None: the worker's own `ray.init()` default.
     ray_address: str | None = None
+    # The node whose store the worker writes to; None: the node its Ray driver joined through.
+    node_id: str | None = None
     lookup_deadline_s: float = LOOKUP_DEADLINE_S
 
     @classmethod

@@ -102,7 +102,11 @@ class TierWorker:
             if not ray.is_initialized():
                 join_ray(settings.ray_address)
             self.client = KVTierClient(
-                settings.tier_config(), settings.model_id, self.block_size, self.num_kv_heads * self.head_dim
+                settings.tier_config(),
+                settings.model_id,
+                self.block_size,
+                self.num_kv_heads * self.head_dim,
+                node_id=settings.node_id,
             )
         self.pages: PagedKV | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(

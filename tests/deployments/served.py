@@ -1,14 +1,33 @@
-"""What the served tests of the ingress share: the API key and model they use, requests and their errors, and
-the replicas' numbers on `/metrics`."""
+"""What the served tests share: a port for Serve's proxy, the API key and model they use, requests and their
+errors, and the replicas' numbers on `/metrics`."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
+import socket
 import time
 from pathlib import Path
 
 import httpx
+
+# Ray's workers listen on 10002-19999 (its default worker ports), and its other processes on ports the kernel hands
+# out (32768 and up on Linux): a port between the two is still free when Serve's proxy binds it after Ray started.
+# (A port the kernel handed out to the test was once taken by one of Ray's processes first: the proxy never bound.)
+PROXY_PORTS = range(20000, 32768)
+
+
+def free_port() -> int:
+    for port in random.sample(PROXY_PORTS, 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {PROXY_PORTS}")
+
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
