@@ -238,10 +238,11 @@ class SparseKV:
                     None if host is None else functools.partial(self.resume.host_pages_kv, plan=host),
                 )
         seqs = [step.seqs[i] for i in decode_rows]
-        if all(self.state(s).mode is AttentionMode.DENSE for s in seqs):  # the engine's dense path, untouched
+        states = [self.state(s) for s in seqs]
+        if all(st.mode is AttentionMode.DENSE for st in states):  # the engine's dense path, untouched
             return None if hooks is None else StepPlan(hooks)
         rows = self._tensor(decode_rows)
-        decode = self.plan_decode(seqs, step.tables[rows])
+        decode = self.plan_decode(seqs, states, step.tables[rows])
         groups = [DecodeGroup(rows[decode.sparse_idx], functools.partial(self.attend, plan=decode, scale=step.scale))]
         if decode.dense_idx.numel():
             dense = DenseDecode(decode.dense_table, decode.dense_ctx, step.scale)
@@ -251,10 +252,9 @@ class SparseKV:
     def reserve(self, seq: Sequence, num_new_tokens: int) -> None:
         """A retrieval-mode sequence's pages are the BlockManager's (offloaded ones only marked in its table)."""
 
-    def plan_decode(self, seqs: list[Sequence], tables: Tensor) -> DecodePlan:
-        """The sparse plan for decode rows `seqs` (whose page tables are `tables`' first rows), at least one of
-        them in a retrieval mode."""
-        states = [self.state(s) for s in seqs]
+    def plan_decode(self, seqs: list[Sequence], states: list[_SeqState], tables: Tensor) -> DecodePlan:
+        """The sparse plan for decode rows `seqs` (their states `states`, their page tables `tables`' first rows),
+        at least one of them in a retrieval mode."""
         sparse = [i for i, st in enumerate(states) if st.mode is not AttentionMode.DENSE]
         p, bs, ppb = self.policy, self.policy.block_size, self.policy.pages_per_block
         dense = [i for i, st in enumerate(states) if st.mode is AttentionMode.DENSE]
