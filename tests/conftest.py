@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import socket
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SLOW_FIXTURES.intersection(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+
+
+# Ray's workers listen on 10002-19999 (its default worker ports), and its other processes on ports the kernel hands
+# out (32768 and up on Linux): a port between the two is still free when Serve's proxy binds it after Ray started.
+# (A port the kernel handed out to the test was once taken by one of Ray's processes first: the proxy never bound.)
+PROXY_PORTS = range(20000, 32768)
+
+
+def _free_port() -> int:
+    for port in random.sample(PROXY_PORTS, 100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {PROXY_PORTS}")
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """`free_port()`: a port for Serve's proxy, free now and out of the ranges Ray's own processes take."""
+    return _free_port
 
 
 @pytest.fixture(scope="session")

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
 import ray
 import scripted
 from ray import serve
-from served import free_port
 
 from rayapp.config import AppConfig
 from rayapp.deployments.builder import build
@@ -20,6 +20,7 @@ ray.cloudpickle.register_pickle_by_value(scripted)
 
 @contextmanager
 def _serve_app(
+    free_port: Callable[[], int],
     config: AppConfig,
     apps: dict[str, str] | None = None,
     env: dict[str, str] | None = None,
@@ -44,6 +45,6 @@ def _serve_app(
 
 
 @pytest.fixture(scope="session")
-def serve_app():
+def serve_app(free_port):
     """`with serve_app(config[, apps]) as base_url:` running applications of `config` (module fixtures use it)."""
-    return _serve_app
+    return functools.partial(_serve_app, free_port)

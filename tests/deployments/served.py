@@ -1,33 +1,15 @@
-"""What the served tests share: a port for Serve's proxy, the API key and model they use, requests and their
-errors, and the replicas' numbers on `/metrics`."""
+"""What the served tests share: the API key and model they use, requests, streamed answers and errors, and the
+replicas' numbers on `/metrics`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import random
 import re
-import socket
 import time
 from pathlib import Path
 
 import httpx
-
-# Ray's workers listen on 10002-19999 (its default worker ports), and its other processes on ports the kernel hands
-# out (32768 and up on Linux): a port between the two is still free when Serve's proxy binds it after Ray started.
-# (A port the kernel handed out to the test was once taken by one of Ray's processes first: the proxy never bound.)
-PROXY_PORTS = range(20000, 32768)
-
-
-def free_port() -> int:
-    for port in random.sample(PROXY_PORTS, 100):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError(f"no free port in {PROXY_PORTS}")
-
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -52,6 +34,28 @@ def post(base_url: str, body: object, key: str | None = KEY, path: str = "/v1/ch
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     content = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return httpx.post(f"{base_url}{path}", content=content, headers=headers, timeout=120)
+
+
+async def stream_chat(
+    http: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None
+) -> tuple[str, str | None, bool]:
+    """A streamed chat answer (`started` set at its first delta): its text, its finish reason, and whether the
+    stream ended with [DONE] (a stream with an error event fails the test)."""
+    text, finish, done = "", None, False
+    async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for choice in chunk["choices"]:
+                    text += choice["delta"].get("content") or ""
+                    finish = choice["finish_reason"] or finish
+                if started is not None:
+                    started.set()
+    return text, finish, done
 
 
 def error_of(response: httpx.Response, status: int) -> dict:

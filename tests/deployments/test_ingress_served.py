@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from scripted import ScriptedBackend
-from served import ASK_WEATHER, KEY, MODEL, QUESTION, TEMPLATE, WEATHER, error_of, named, post
+from served import ASK_WEATHER, KEY, MODEL, QUESTION, TEMPLATE, WEATHER, error_of, named, post, stream_chat
 
 from rayapp.config import AppConfig
 
@@ -107,32 +107,22 @@ def test_missing_or_wrong_api_key_is_401(base_url):
 
 
 def test_32_concurrent_streams_all_complete(base_url):
-    async def one(http: httpx.AsyncClient, i: int) -> tuple[str, str]:
-        body = {
+    def body(i: int) -> dict:
+        return {
             "model": MODEL,
             "temperature": 0,
             "max_tokens": 12,
-            "stream": True,
             "ignore_eos": True,
             "messages": [{"role": "user", "content": f"Count from {i} upwards."}],
         }
-        text, finish = "", None
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    choice = json.loads(line[6:])["choices"][0]
-                    text += choice["delta"].get("content", "")
-                    finish = choice["finish_reason"] or finish
-        return text, finish
 
     async def all_of_them():
         headers = {"Authorization": f"Bearer {KEY}"}
         async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300) as http:
-            return await asyncio.gather(*(one(http, i) for i in range(32)))
+            return await asyncio.gather(*(stream_chat(http, body(i)) for i in range(32)))
 
     results = asyncio.run(all_of_them())
-    assert all(text and finish == "length" for text, finish in results)
+    assert all(text and finish == "length" and done for text, finish, done in results)
 
 
 def test_a_full_admission_queue_answers_429_and_the_server_recovers(base_url, client):

@@ -7,7 +7,6 @@ places a replica on it and both replicas serve."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
@@ -17,7 +16,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.state import list_actors
-from served import MODEL, free_port
+from served import MODEL, stream_chat
 
 from rayapp.config import AppConfig
 from rayapp.deployments.builder import build
@@ -41,7 +40,7 @@ def _node(num_cpus: int = 1) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, free_port):
     nodes = Cluster(initialize_head=True, head_node_args={**_node(), "include_dashboard": True})
     worker = nodes.add_node(**_node())
     ray.init(address=nodes.address)
@@ -71,8 +70,8 @@ def _replicas() -> dict[str, str]:
     return {a.node_id: a.name.rsplit("#", 1)[-1] for a in actors}
 
 
-def _body(messages: list[dict], stream: bool = False) -> dict:
-    return {"model": MODEL, "messages": messages, "max_tokens": ANSWER_TOKENS, "temperature": 0, "stream": stream}
+def _body(messages: list[dict]) -> dict:
+    return {"model": MODEL, "messages": messages, "max_tokens": ANSWER_TOKENS, "temperature": 0}
 
 
 def _chat_all(url: str, conversations: list[list[dict]]) -> list[str]:
@@ -85,24 +84,6 @@ def _chat_all(url: str, conversations: list[list[dict]]) -> list[str]:
     responses = asyncio.run(ask())
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     return [r.json()["choices"][0]["message"]["content"] for r in responses]
-
-
-async def _stream(http: httpx.AsyncClient, messages: list[dict], started: asyncio.Event) -> tuple[str, bool]:
-    """A streamed answer's text, and whether it ended with a finish reason and [DONE], no error."""
-    text, finish, done = "", None, False
-    async with http.stream("POST", "/v1/chat/completions", json=_body(messages, stream=True)) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                for choice in chunk["choices"]:
-                    text += choice["delta"].get("content") or ""
-                    finish = choice["finish_reason"] or finish
-                    started.set()
-    return text, done and finish is not None
 
 
 def _wait(what: str, ready, limit_s: float = HEAL_S) -> float:
@@ -132,16 +113,16 @@ def test_a_lost_node_heals_and_its_conversations_go_on(cluster):
     _wait("the worker's blocks in the catalog", lambda: catalog.usage(node_id=worker.node_id).num_blocks > 0)
     assert lost in _indexed(index)
 
-    async def streams_through_the_loss() -> list[tuple[str, bool]]:
+    async def streams_through_the_loss() -> list[tuple[str, str | None, bool]]:
         started = asyncio.Event()
         async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-            answers = [asyncio.create_task(_stream(http, messages, started)) for messages in turns]
+            answers = [asyncio.create_task(stream_chat(http, _body(m), started)) for m in turns]
             await started.wait()
             await asyncio.to_thread(nodes.remove_node, worker, False)  # no graceful exit: as a node crashes
             return await asyncio.gather(*answers)
 
-    for (text, clean), reference in zip(asyncio.run(streams_through_the_loss()), references, strict=True):
-        assert clean and text == reference
+    for (text, finish, done), reference in zip(asyncio.run(streams_through_the_loss()), references, strict=True):
+        assert done and finish and text == reference
 
     _wait("the dead replica leaves the index", lambda: (held := _indexed(index)) is not None and lost not in held)
     _wait("the dead node's rows leave the catalog", lambda: catalog.usage(node_id=worker.node_id).num_blocks == 0)

@@ -5,14 +5,13 @@ of the prompt, so an answer that moved to a new replica halfway is checked whole
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 
 import httpx
 import pytest
 from ray import serve
 from scripted import ScriptedBackend
-from served import MODEL
+from served import MODEL, stream_chat
 
 from rayapp.config import AppConfig
 from rayapp.deployments.builder import build
@@ -31,32 +30,14 @@ def base_url(serve_app):
         yield url
 
 
-def _body(i: int, stream: bool) -> dict:
+def _body(i: int, long: bool) -> dict:
     return {
         "model": MODEL,
         "temperature": 0,
-        "max_tokens": STREAM_TOKENS if stream else 8,
+        "max_tokens": STREAM_TOKENS if long else 8,
         "ignore_eos": True,
-        "stream": stream,
         "messages": [{"role": "user", "content": f"Tell me about river number {i}."}],
     }
-
-
-async def _stream(http: httpx.AsyncClient, i: int) -> tuple[str, str | None, bool]:
-    """One streamed answer: its text, its finish reason, and whether the stream ended with [DONE] and no error."""
-    text, finish, clean = "", None, False
-    async with http.stream("POST", "/v1/chat/completions", json=_body(i, stream=True)) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line == "data: [DONE]":
-                clean = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                for choice in chunk["choices"]:
-                    text += choice["delta"].get("content") or ""
-                    finish = choice["finish_reason"] or finish
-    return text, finish, clean
 
 
 def test_streams_in_flight_complete_through_an_upgrade(base_url):
@@ -68,24 +49,24 @@ def test_streams_in_flight_complete_through_an_upgrade(base_url):
 
     async def load() -> tuple[list, list[int], list[dict]]:
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
-            streams = [asyncio.create_task(_stream(http, i)) for i in range(8)]
+            streams = [asyncio.create_task(stream_chat(http, _body(i, long=True))) for i in range(8)]
             await asyncio.sleep(3)  # every stream is answering
             rolling = asyncio.create_task(asyncio.to_thread(upgrade))
             statuses = []
             while not upgraded.is_set():  # new requests keep coming while the old replicas drain
-                response = await http.post("/v1/chat/completions", json=_body(100 + len(statuses), stream=False))
+                response = await http.post("/v1/chat/completions", json=_body(100 + len(statuses), long=False))
                 statuses.append(response.status_code)
                 await asyncio.sleep(0.5)
             await rolling
             results = await asyncio.gather(*streams)
             # The same requests, answered whole by the new replicas.
-            whole = [http.post("/v1/chat/completions", json=_body(i, True) | {"stream": False}) for i in range(8)]
+            whole = [http.post("/v1/chat/completions", json=_body(i, long=True)) for i in range(8)]
             return results, statuses, [r.json() for r in await asyncio.gather(*whole)]
 
     results, statuses, references = asyncio.run(load())
     assert statuses and set(statuses) == {200}, statuses
-    for i, ((text, finish, clean), reference) in enumerate(zip(results, references, strict=True)):
-        assert clean and finish == "length", (i, finish, clean)
+    for i, ((text, finish, done), reference) in enumerate(zip(results, references, strict=True)):
+        assert done and finish == "length", (i, finish, done)
         assert text == reference["choices"][0]["message"]["content"]
     # The new config serves: its context length is what /v1/models says.
     models = httpx.get(f"{base_url}/v1/models").json()["data"]

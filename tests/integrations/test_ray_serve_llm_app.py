@@ -7,8 +7,6 @@ passes through), not by what the router claims.
 from __future__ import annotations
 
 import asyncio
-import random
-import socket
 
 import httpx
 import pytest
@@ -27,21 +25,9 @@ SYSTEM = {"role": "system", "content": "You are a concise assistant. Answer in o
 TOPICS = ["rivers", "volcanoes", "owls"]
 
 
-def _free_port() -> int:
-    # Between Ray's worker ports (10002-19999) and the kernel's (32768+), as tests/deployments' apps do.
-    for port in random.sample(range(20000, 32768), 100):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port")
-
-
 @pytest.fixture(scope="module")
-def base_url(serve_llm_args):
-    port = _free_port()
+def base_url(serve_llm_args, free_port):
+    port = free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
