@@ -62,10 +62,10 @@ def build(config: AppConfig, backend_cls: type | None = None, app_name: str = "r
         OpenAIIngress,
         name="OpenAIIngress",
         # The ingress holds its clients' streams and what a moved answer continues from: on the head, whose loss
-        # is the cluster's, a worker node's loss takes only replicas (their answers move) and that node's store.
+        # is the cluster's, a worker node's loss takes only replicas (their answers move) and that node's store;
+        # replaced, it drains longer than the replicas do, since their answers move and go on.
         ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
         max_ongoing_requests=config.max_queued_requests + 64,
-        # A replaced ingress holds its clients' streams, which outlive the replicas' drain (their answers move).
         graceful_shutdown_timeout_s=INGRESS_DRAIN_TIMEOUT_S,
     )
     return ingress.bind(replica, config.model_dump(exclude_unset=True))
