@@ -10,7 +10,7 @@ import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
-from rayapp.blocks import KVEvent
+from rayapp.blocks import BlockHash, KVEvent
 from rayapp.config import AppConfig
 from rayapp.drivers.backend import EngineDeadError, GenerateDelta
 from rayapp.drivers.process import EngineProcess
@@ -92,6 +92,9 @@ class RayappBackend:
 
     async def kv_snapshot(self) -> list[KVEvent]:
         return await self.engine.kv_snapshot()
+
+    async def cached_blocks(self) -> list[BlockHash]:
+        return await self.engine.cached_blocks()
 
     async def check_health(self) -> None:
         if not self.engine.is_running():

@@ -12,6 +12,7 @@ from typing import Any
 
 from ray import serve
 
+from rayapp.blocks import BlockHash
 from rayapp.config import AppConfig
 from rayapp.deployments.engines import backend_class
 from rayapp.deployments.metrics import ReplicaMetrics
@@ -82,6 +83,10 @@ class LLMReplica:
 
     async def stats(self) -> dict[str, float]:
         return await self.engine.stats()
+
+    async def cached_blocks(self) -> tuple[str, list[BlockHash]]:
+        """This replica's ID and every block its prefix cache holds now: what the PrefixIndex may name for it."""
+        return self.replica, await self.engine.cached_blocks()
 
     async def check_health(self) -> None:
         """Serve's periodic probe: a replica whose engine died fails it and is replaced."""

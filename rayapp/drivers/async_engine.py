@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from rayapp.blocks import KVEvent
+from rayapp.blocks import BlockHash, KVEvent
 from rayapp.config import EngineConfig
 from rayapp.drivers.loop import EngineLoop
 from rayapp.engine.llm_engine import LLMEngine
@@ -86,6 +86,10 @@ class AsyncLLMEngine:
     async def kv_snapshot(self) -> list[KVEvent]:
         """`LLMEngine.kv_snapshot`, taken on the engine thread between two steps."""
         return await self._call(self.engine.kv_snapshot)
+
+    async def cached_blocks(self) -> list[BlockHash]:
+        """`LLMEngine.cached_blocks`, read on the engine thread between two steps."""
+        return await self._call(self.engine.cached_blocks)
 
     async def _call(self, fn: Any) -> Any:
         return await asyncio.wrap_future(self._loop.call(fn))

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from rayapp.blocks import KVEvent
+from rayapp.blocks import BlockHash, KVEvent
 from rayapp.engine.outputs import TokenLogprob
 from rayapp.engine.request import EngineRequest
 from rayapp.observability import Metric
@@ -98,6 +98,11 @@ class EngineBackend(Protocol):
 
     async def kv_snapshot(self) -> list[KVEvent]:
         """`AllCleared` and a `BlockStored` per block the backend knows it holds; drops the pending events."""
+        ...
+
+    async def cached_blocks(self) -> list[BlockHash]:
+        """Every block the prefix cache holds now, as the index names them; changes nothing (the pending events
+        stay): what a check of the PrefixIndex against the replica's own state reads."""
         ...
 
     async def check_health(self) -> None:

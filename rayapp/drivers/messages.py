@@ -27,7 +27,8 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class Call:
-    """Ask the child for `name` (`abort`, `stats`, `metrics`, `take_kv_events`, `kv_snapshot`, `flush_tier`);
+    """Ask the child for `name` (`abort`, `stats`, `metrics`, `take_kv_events`, `kv_snapshot`, `cached_blocks`,
+    `flush_tier`);
     answered by a `Reply` with the same `call_id`."""
 
     call_id: int

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from rayapp.blocks import KVEvent
+from rayapp.blocks import BlockHash, KVEvent
 from rayapp.config import EngineConfig
 from rayapp.drivers.backend import EngineDeadError, GenerateDelta, UsageTally
 from rayapp.drivers.loop import EngineLoop
@@ -140,6 +140,9 @@ class EngineProcess:
 
     async def kv_snapshot(self) -> list[KVEvent]:
         return await self._call("kv_snapshot")
+
+    async def cached_blocks(self) -> list[BlockHash]:
+        return await self._call("cached_blocks")
 
     async def flush_tier(self) -> None:
         """Return once every block the engine queued for the cluster tier is written (at once without one)."""
@@ -281,6 +284,7 @@ def _child_main(conn: Connection, config: EngineConfig, setup: Setup | None, num
         "metrics": lambda: loop.call(loop.metrics),
         "take_kv_events": lambda: loop.call(engine.take_kv_events),
         "kv_snapshot": lambda: loop.call(engine.kv_snapshot),
+        "cached_blocks": lambda: loop.call(engine.cached_blocks),
         # Waits on the tier's writer: on a thread of its own, never the step loop's.
         "flush_tier": lambda: flusher.submit(lambda: attachment is not None and attachment.flush()),
     }

@@ -313,6 +313,10 @@ class LLMEngine:
         self.block_manager.take_events()
         return [AllCleared(), *self.block_manager.snapshot()]
 
+    def cached_blocks(self) -> list[BlockHash]:
+        """The hash of every block the prefix cache holds (the pending events stay pending)."""
+        return self.block_manager.cached_hashes()
+
     def metrics(self) -> tuple[Metric, ...]:
         """What `stats` reports on `/metrics`: the engine's numbers and its extensions'."""
         return METRICS + tuple(m for e in self.extensions.values() for m in e.metrics())

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import ray
 import torch
+from ray.exceptions import RayActorError
 
 from rayapp.blocks import BlockHash, BlockRemoved, BlockStored, Tier
 from rayapp.config import KVTierConfig
@@ -52,7 +53,7 @@ METRICS = counters(
     {
         "tier_written_blocks": "Blocks this engine wrote to the cluster KV tier",
         "tier_skipped_blocks": "Blocks not written because the tier already held them",
-        "tier_dropped_blocks": "Blocks not written because the writer was too far behind (the tier is a cache)",
+        "tier_dropped_blocks": "Blocks not written: the writer was too far behind, or the node's store was restarting",
         "tier_loaded_blocks": "Blocks this engine loaded from the cluster KV tier",
         "tier_write_batches": "Calls that handed blocks to the node's tier store (runs queued together share one)",
     }
@@ -171,6 +172,11 @@ class KVTierClient:
             try:
                 if batch:
                     self._write_batch(batch)
+            except RayActorError as error:  # the node's store restarts (Ray brings it back) or went with its node
+                dropped = sum(len(run.stored.block_hashes) for run in batch)
+                with self._lock:
+                    self.counters["dropped_blocks"] += dropped
+                logger.warning("cluster KV tier: the node's store did not take %d blocks (%s)", dropped, error)
             except Exception:  # the tier is a cache: a failed write must not stop later ones
                 logger.exception("cluster KV tier: writing blocks failed")
             finally:

@@ -143,6 +143,11 @@ class PrefixIndexService:
             self._drop_silent()
             return sorted(self._next_batch)
 
+    def blocks(self, replica: str) -> list[BlockHash]:
+        """The blocks the index says `replica` holds: what a check against the replica's own cache reads."""
+        with self._lock:
+            return self.index.blocks_of(replica)
+
     def _drop_silent(self) -> None:
         deadline = time.monotonic() - self.replica_timeout_s
         while self._last_heard and next(iter(self._last_heard.values())) < deadline:

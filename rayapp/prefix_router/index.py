@@ -118,6 +118,16 @@ class PrefixIndex:
         for s in inline + shared:
             self._prune(s)
 
+    def blocks_of(self, replica: str) -> list[BlockHash]:
+        """Every block the index says `replica` holds (in any tier), in no particular order."""
+        rid = self._replica_id.get(replica)
+        if rid is None:
+            return []
+        inline = np.flatnonzero(np.frombuffer(self._holder, dtype=np.int32) == rid).tolist()
+        shared = [s for s, holders in self._shared.items() if rid in holders]
+        # A slot never used yet holds zeros (`_grow`), so it reads as replica 0's: only slots with a hash count.
+        return [h for h in map(self._hash.__getitem__, inline + shared) if h is not None]
+
     def match(self, block_hashes: list[BlockHash]) -> dict[str, Overlap]:
         """Each replica's count of leading blocks held (contiguously from the first), with their tiers.
 

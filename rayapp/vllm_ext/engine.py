@@ -30,7 +30,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from rayapp.blocks import KVEvent
+from rayapp.blocks import BlockHash, KVEvent
 from rayapp.config import DTYPE_OPTIONS, AppConfig
 from rayapp.config.app import VLLM_SHARED_KWARGS
 from rayapp.drivers.backend import EngineDeadError, GenerateDelta, Usage, UsageTally
@@ -354,6 +354,10 @@ class VLLMBackend:
 
     async def kv_snapshot(self) -> list[KVEvent]:
         return self.events.snapshot()
+
+    async def cached_blocks(self) -> list[BlockHash]:
+        """The blocks vLLM reported holding (its own events' mirror: vLLM has no cache listing to ask)."""
+        return self.events.cached_blocks()
 
     async def check_health(self) -> None:
         try:

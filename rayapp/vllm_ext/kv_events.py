@@ -92,6 +92,11 @@ class VLLMKVEvents:
         stored = [BlockStored((b.block_hash,), b.parent, b.token_ids, self.block_size) for b in blocks]
         return [AllCleared(), *stored]
 
+    def cached_blocks(self) -> list[BlockHash]:
+        """The mirrored blocks' hashes, as rayapp names them."""
+        with self._lock:
+            return [b.block_hash for b in self._blocks.values()]
+
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=2)

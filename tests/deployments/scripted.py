@@ -207,6 +207,9 @@ class ScriptedBackend:
     async def kv_snapshot(self) -> list[KVEvent]:
         return self.cache.snapshot()
 
+    async def cached_blocks(self) -> list[BlockHash]:
+        return list(self.cache.blocks)
+
     async def check_health(self) -> None:
         """Always healthy: a dead engine is the real backends' to show."""
 

@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from rayapp import LLM, SamplingParams
+from rayapp.blocks import BlockStored
 from rayapp.config import EngineConfig
 from rayapp.drivers.backend import EngineDeadError
 from rayapp.drivers.process import PROCESS_NAME, EngineProcess
@@ -95,6 +96,22 @@ def test_leaving_a_stream_early_aborts_it_and_frees_its_pages(engine):
 
     stats = asyncio.run(scenario())
     assert stats["num_running"] == 0 and stats["pages_used"] == 0
+
+
+def test_cached_blocks_lists_the_cache_and_leaves_its_events_pending(engine):
+    async def scenario():
+        await engine.take_kv_events()
+        ids = list(range(100, 140))  # two full pages of a prompt no other test sends
+        await _collect(engine, _request("cached", ids, temperature=0.0, max_tokens=4))
+        cached = await engine.cached_blocks()
+        pending = await engine.take_kv_events()
+        snapshot = await engine.kv_snapshot()
+        return cached, pending, snapshot
+
+    cached, pending, snapshot = asyncio.run(scenario())
+    stored = {h for e in pending if isinstance(e, BlockStored) for h in e.block_hashes}
+    assert len(stored) >= 2 and stored <= set(cached)
+    assert sorted(cached) == sorted(h for e in snapshot if isinstance(e, BlockStored) for h in e.block_hashes)
 
 
 def test_a_killed_engine_process_fails_its_streams_and_reports_dead():

@@ -51,3 +51,17 @@ def test_runs_queued_together_reach_the_store_in_one_call_and_are_announced_run_
     finally:
         client.close()
         ray.kill(client.store)
+
+
+def test_blocks_a_dead_store_cannot_take_are_counted_dropped(cluster, dsn):
+    client = KVTierClient(KVTierConfig(enabled=True, dsn=dsn, capacity_bytes=64 << 20), MODEL, BS, DIM, coalesce_s=0.0)
+    ray.kill(client.store, no_restart=True)
+    tokens = list(range(5000, 5000 + 4 * BS))  # blocks the catalog does not hold (so the store is asked)
+    stored = BlockStored(tuple(hash_blocks(tokens, BS, (MODEL, ""))), None, tuple(tokens), BS)
+    try:
+        pages = torch.randn(2, 4, BS, 3, 64).bfloat16()
+        client.write(stored, "", pages, pages.clone())
+        client.flush()  # returns: the writer thread lives on
+        assert client.stats()["tier_dropped_blocks"] == 4 and client.stats()["tier_written_blocks"] == 0
+    finally:
+        client.close()

@@ -276,6 +276,9 @@ class IndexMachine(RuleBasedStateMachine):
         assert rows == self.model.rows()
         assert len(self.index) <= self.index.max_blocks
         assert self.index.replicas == {r for holders in self.model.holders.values() for r in holders}
+        for replica in REPLICAS:
+            held = sorted(h for h, holders in self.model.holders.items() if replica in holders)
+            assert sorted(self.index.blocks_of(replica)) == held
 
 
 TestIndexMachine = IndexMachine.TestCase
