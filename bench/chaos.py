@@ -26,6 +26,7 @@ import asyncio
 import itertools
 import json
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -336,6 +337,7 @@ def main() -> None:
             stop_embedded_database()
         finally:
             ray.shutdown()
+            shutil.rmtree(data_dir.parent, ignore_errors=True)
     broken = verdict(load, faults, health, end)
     report = {
         "seed": args.seed, "duration_s": args.duration, "requests": dict(load.outcomes),
