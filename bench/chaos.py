@@ -5,7 +5,8 @@ client that vanishes mid-stream (`chaos_faults.py`).
 
     python bench/chaos.py [--duration 600] [--seed 0] [--json report.json]
 
-First each conversation is played once without faults: its greedy answers are the references, and every later turn
+Served as README.md runs it, behind Serve's HAProxy ingress (`--proxy python`: Serve's Python proxy). First each
+conversation is played once without faults: its greedy answers are the references, and every later turn
 sends the references as its history, so each request has one right answer. Then the clients replay conversations at
 random while faults land. Each request ends as one of: `ok` (a well-formed answer equal to the reference),
 `mismatch` (well-formed, other text), `clean_error` (an OpenAI error body with a retryable status, or an error event
@@ -25,6 +26,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import random
 import shutil
 import sys
@@ -291,6 +293,8 @@ def main() -> None:
     # Smaller than the conversations' histories (~46 KB a token in float32): pages are evicted and reloaded from the
     # tier, as on a busy cluster.
     parser.add_argument("--kv-cache-gb", type=float, default=0.1, help="each replica's KV pool")
+    parser.add_argument("--proxy", choices=("haproxy", "python"), default="haproxy",
+                        help="Serve's ingress: HAProxy (README.md's command) or Serve's Python proxy")  # fmt: skip
     parser.add_argument("--port", type=int, default=8100, help="the app's HTTP port (on 127.0.0.1)")
     parser.add_argument("--json", type=Path, help="write the report here too")
     args = parser.parse_args()
@@ -303,6 +307,8 @@ def main() -> None:
     if port_in_use(args.port):
         raise SystemExit(f"port {args.port} is taken; pass --port")
     base_url = f"http://127.0.0.1:{args.port}"
+    # Read by Serve's controller, a process of the Ray started here: it inherits this environment.
+    os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1" if args.proxy == "haproxy" else "0"
     ray.init(address="local", include_dashboard=False)
     faults = None
     try:

@@ -396,6 +396,13 @@ def test_every_container_runs_the_image_the_readme_tells_users_to_set(name):
     assert repository in readme
 
 
+@pytest.mark.parametrize("name", DEPLOYMENTS)
+def test_every_pod_serves_through_haproxy_as_the_readme_command_does(name):
+    assert "RAY_SERVE_ENABLE_HA_PROXY=1 serve run rayapp.config.yaml" in (K8S.parent / "README.md").read_text()
+    for container in _containers(rayservice(name)):
+        assert {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"} in container["env"], container["name"]
+
+
 def test_image_is_built_with_the_clusters_ray_version():
     dockerfile = (K8S / "Dockerfile").read_text()
     (ray_version,) = re.findall(r"^ARG RAY_VERSION=(\S+)$", dockerfile, re.MULTILINE)
