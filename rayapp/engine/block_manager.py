@@ -258,10 +258,6 @@ class BlockManager:
         """One `BlockStored` per cached block, parents first: what an event consumer that saw a gap rebuilds from."""
         return pages.cached_chains(self._cached, self.block_size)
 
-    def cached_hashes(self) -> list[BlockHash]:
-        """The hash of every cached block (what `snapshot` announces), leaving the pending events alone."""
-        return list(self._cached)
-
     def page_info(self, page_id: int) -> PageInfo:
         """Ref count and cached block (if any) of page `page_id`."""
         page = self._pages[page_id]

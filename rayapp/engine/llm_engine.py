@@ -314,8 +314,8 @@ class LLMEngine:
         return [AllCleared(), *self.block_manager.snapshot()]
 
     def cached_blocks(self) -> list[BlockHash]:
-        """The hash of every block the prefix cache holds (the pending events stay pending)."""
-        return self.block_manager.cached_hashes()
+        """The hash of every block the prefix cache holds: what `kv_snapshot` announces, the pending events kept."""
+        return [stored.block_hashes[0] for stored in self.block_manager.snapshot()]
 
     def metrics(self) -> tuple[Metric, ...]:
         """What `stats` reports on `/metrics`: the engine's numbers and its extensions'."""
