@@ -122,8 +122,9 @@ def test_the_snapshot_rebuilds_what_the_events_built(channel):
     events = channel.wait_for(3)
     live, rebuilt = PrefixIndex(), PrefixIndex()
     live.apply("r", events)
-    rebuilt.apply("r", channel.subscriber.snapshot())
     request = hash_blocks(TOKENS, BS, (MODEL, ""))
+    assert sorted(channel.subscriber.cached_blocks()) == sorted(request[:5])  # the mirror, as rayapp names it
+    rebuilt.apply("r", channel.subscriber.snapshot())
     assert live.match(request)["r"].blocks == rebuilt.match(request)["r"].blocks == 5
 
 
