@@ -56,13 +56,14 @@ FAILURES = ("mismatch", "refused", "cut", "hung")
 SETTLE_S = 60.0  # after the faults healed: how long pages and the index may take to settle
 
 
-def messages(script: Script, turn: int, answers: list[str]) -> list[dict[str, str]]:
-    """Turn `turn` of `script`, its history answered with `answers` (the references)."""
+def request(script: Script, turn: int, answers: list[str]) -> dict:
+    """Turn `turn` of `script` as a greedy chat request, its history answered with `answers` (the references)."""
     history = [{"role": "system", "content": script.system}] if script.system else []
     for t in range(turn):
         reply = script.turns[t].reply if script.turns[t].reply is not None else answers[t]
         history += [{"role": "user", "content": script.turns[t].user}, {"role": "assistant", "content": reply}]
-    return [*history, {"role": "user", "content": script.turns[turn].user}]
+    messages = [*history, {"role": "user", "content": script.turns[turn].user}]
+    return {"model": MODEL, "messages": messages, "max_tokens": script.turns[turn].max_tokens, "temperature": 0}
 
 
 async def ask(http: httpx.AsyncClient, body: dict, stream: bool, vanish: bool, deadline_s: float) -> tuple[str, str]:
@@ -140,7 +141,7 @@ class Load:
             c = rng.randrange(len(self.scripts))
             script = self.scripts[c]
             for t in range(len(script.turns)):
-                body = self.body(c, t)
+                body = request(script, t, self.references[c])
                 for _ in range(5):
                     vanish = self._take_vanish()
                     outcome, detail = await ask(http, body, rng.random() < 0.75 or vanish, vanish, self.args.deadline)
@@ -154,11 +155,6 @@ class Load:
                         break
                     await asyncio.sleep(1.0)
 
-    def body(self, c: int, t: int) -> dict:
-        script = self.scripts[c]
-        return {"model": MODEL, "messages": messages(script, t, self.references[c]),
-                "max_tokens": script.turns[t].max_tokens, "temperature": 0}  # fmt: skip
-
 
 async def play_references(base_url: str, scripts: list[Script], deadline_s: float) -> list[list[str]]:
     """Every conversation played once, all at once, before any fault: the answers every later request must equal."""
@@ -166,9 +162,7 @@ async def play_references(base_url: str, scripts: list[Script], deadline_s: floa
 
     async def play(http: httpx.AsyncClient, c: int) -> None:
         for t in range(len(scripts[c].turns)):
-            body = {"model": MODEL, "messages": messages(scripts[c], t, answers[c]),
-                    "max_tokens": scripts[c].turns[t].max_tokens, "temperature": 0}  # fmt: skip
-            outcome, text = await ask(http, body, False, False, deadline_s)
+            outcome, text = await ask(http, request(scripts[c], t, answers[c]), False, False, deadline_s)
             if outcome != "answered":
                 raise SystemExit(f"the reference pass failed before any fault: {outcome}: {text}")
             answers[c].append(text)

@@ -107,9 +107,7 @@ class PrefixIndex:
         rid = self._replica_id.get(replica)
         if rid is None:
             return
-        # One vectorized pass over the holders (a replica leaves rarely; a per-replica set would cost ~40 B a block).
-        inline = np.flatnonzero(np.frombuffer(self._holder, dtype=np.int32) == rid).tolist()
-        shared = [s for s, holders in self._shared.items() if rid in holders]
+        inline, shared = self._slots_of(rid)
         for s in inline:
             self._holder[s] = _NONE
         for s in shared:
@@ -123,10 +121,15 @@ class PrefixIndex:
         rid = self._replica_id.get(replica)
         if rid is None:
             return []
-        inline = np.flatnonzero(np.frombuffer(self._holder, dtype=np.int32) == rid).tolist()
-        shared = [s for s, holders in self._shared.items() if rid in holders]
-        # A slot never used yet holds zeros (`_grow`), so it reads as replica 0's: only slots with a hash count.
+        inline, shared = self._slots_of(rid)
         return [h for h in map(self._hash.__getitem__, inline + shared) if h is not None]
+
+    def _slots_of(self, rid: int) -> tuple[list[int], list[int]]:
+        """The slots replica `rid` holds alone, and those it shares. One vectorized pass over the holders (asked
+        rarely; a per-replica set would cost ~40 B a block). A slot never used yet holds zeros (`_grow`), so it
+        reads as replica 0's: its hash is None."""
+        inline = np.flatnonzero(np.frombuffer(self._holder, dtype=np.int32) == rid).tolist()
+        return inline, [s for s, holders in self._shared.items() if rid in holders]
 
     def match(self, block_hashes: list[BlockHash]) -> dict[str, Overlap]:
         """Each replica's count of leading blocks held (contiguously from the first), with their tiers.
