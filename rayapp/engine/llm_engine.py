@@ -48,7 +48,6 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         model_path = resolve_model(config.model.model, config.model.revision)
         self.spec = ModelSpec.from_dir(model_path)
         self.model_id = model_id(config.model.model, config.model.revision)
@@ -56,6 +55,9 @@ class LLMEngine:
         if config.model.max_model_len is not None and config.model.max_model_len > limit:
             raise ValueError(f"max_model_len={config.model.max_model_len} exceeds the model's context length {limit}")
         self.max_model_len = config.model.max_model_len or limit
+        # The sparse token counts left unset scale with this engine's context.
+        config = dataclasses.replace(config, sparse=config.sparse.for_context(self.max_model_len))
+        self.config = config
         self.tokenizer = load_tokenizer(model_path)
         self.eos_token_ids = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -102,6 +104,8 @@ class LLMEngine:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("reconfigure needs an idle engine: finish or abort the running requests first")
+        if "sparse" in sections:
+            sections["sparse"] = sections["sparse"].for_context(self.max_model_len)
         self.config = dataclasses.replace(self.config, **sections)
         built = build_extensions(self.config, self.runner, self.block_manager, self.max_model_len)
         self.extensions.clear()

@@ -33,6 +33,10 @@ class RetrievalPolicy:
     config: SparseConfig
     block_size: int
 
+    def __post_init__(self) -> None:
+        if not self.config.resolved:
+            raise ValueError("RetrievalPolicy needs concrete token counts: pass config.for_context(max_model_len)")
+
     @property
     def pages_per_block(self) -> int:
         return self.config.retrieval_block_size // self.block_size

@@ -117,12 +117,15 @@ def register() -> None:
                       "runs its own attention")  # fmt: skip
             return
         where = "in place of vllm-ascend's AscendAttentionBackend"
+    shown = {name: "scaled to the model's context" if value is None else value for name, value in (
+        ("dense", config.dense_boundary), ("init", config.init_tokens), ("window", config.local_tokens),
+        ("offload", config.offload_boundary))}  # fmt: skip
     logger.info(
-        "retrieval plugin: sparse decode %s above %d tokens (init %d, window %d, top %.0f%% of %d-token blocks); "
-        "vLLM cannot hand its pages to host memory, so sequences above offload_boundary=%d also run sparse on "
+        "retrieval plugin: sparse decode %s above %s tokens (init %s, window %s, top %.0f%% of %d-token blocks); "
+        "vLLM cannot hand its pages to host memory, so sequences above offload_boundary=%s also run sparse on "
         "the device",
-        where, config.dense_boundary, config.init_tokens, config.local_tokens, 100 * config.topk_percent,
-        config.retrieval_block_size, config.offload_boundary,
+        where, shown["dense"], shown["init"], shown["window"], 100 * config.topk_percent,
+        config.retrieval_block_size, shown["offload"],
     )  # fmt: skip
 
 

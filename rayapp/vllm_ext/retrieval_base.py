@@ -37,7 +37,8 @@ class RetrievalBuilder(ABC):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.planner = RowPlanner(retrieval_config(), kv_cache_spec.block_size)
+        config = retrieval_config().for_context(vllm_config.model_config.max_model_len)
+        self.planner = RowPlanner(config, kv_cache_spec.block_size)
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
         """The platform's metadata of the step, with its sparse rows and the others split out where it has any."""

@@ -1,12 +1,14 @@
 """The second shipped model, Qwen2.5-Coder-0.5B-Instruct (32K context, from the long-model extra's GGUF), named
-by its short name in the app config, answers a chat on each engine."""
+by its short name in the app config, answers a chat on each engine (rayapp's from examples/long-context.config.yaml)."""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from ray import serve
 
 from rayapp.config import AppConfig
@@ -20,11 +22,16 @@ pytestmark = [
     ),
 ]
 SETTINGS = dict(model="qwen2.5-coder-0.5b", kv_cache_memory_gb=1.0, max_model_len=32768, num_cpus=0.5)
+# rayapp's engine serves the example config for this model (sparse retrieval and the tier on), as a user runs it.
+EXAMPLE = Path(__file__).parents[2] / "examples" / "long-context.config.yaml"
 
 
 @pytest.fixture(scope="module")
 def base_url(serve_app):
-    with serve_app(AppConfig(**SETTINGS), apps={"rayapp": "/rayapp"}) as url:
+    example = yaml.safe_load(EXAMPLE.read_text())["applications"][0]["args"]
+    with serve_app(
+        AppConfig(**{**example, "num_cpus": 0.5, "kv_cache_memory_gb": 1.0}), apps={"rayapp": "/rayapp"}
+    ) as url:
         if importlib.util.find_spec("vllm") is not None:
             config = AppConfig(engine="vllm", engine_kwargs={"enforce_eager": True}, **SETTINGS)
             serve.run(build(config, app_name="vllm"), name="vllm", route_prefix="/vllm")

@@ -38,6 +38,16 @@ def test_prompts_below_dense_boundary_decode_exactly_as_with_sparse_disabled(pro
     assert stats["sparse_selected_blocks"] > 0
 
 
+def test_sparse_on_with_its_defaults_starts_at_a_quarter_of_the_engines_context(prompts):
+    llm = LLM(dtype="float32", max_model_len=2048, sparse={"enabled": True})
+    c = llm.engine.config.sparse
+    assert (c.init_tokens, c.local_tokens, c.dense_boundary, c.offload_boundary) == (16, 112, 512, 1024)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    llm.generate(prompt_token_ids=[prompts["short"], prompts["medium"]], sampling_params=params)
+    stats = llm.stats()
+    assert (stats["sparse_seqs_dense"], stats["sparse_seqs_sparse"], stats["sparse_seqs_offload"]) == (1, 1, 0)
+
+
 def test_offload_moves_middle_pages_to_host_frees_device_pages_and_keeps_the_tokens(prompts):
     prompt = prompts["offload"]
     on_device = LLM(dtype="float32", sparse={**SCALED, "offload_boundary": 4096})

@@ -107,7 +107,9 @@ BAD = {
         "rayapp.router.prefill_weight: Input should be greater than 0",
     ),
     "sparse settings that contradict each other": (
-        lambda a: a.update(rayapp={"sparse": {"enabled": True, "dense_boundary": 1024}}),
+        lambda a: a.update(
+            rayapp={"sparse": {"enabled": True, "init_tokens": 512, "local_tokens": 512, "dense_boundary": 1024}}
+        ),
         "rayapp.sparse: invalid sparse settings: init_tokens + local_tokens",
     ),
     "an unknown section": (lambda a: a.update(rayapp={"routr": {}}), "rayapp.routr: Extra inputs are not permitted"),

@@ -1,5 +1,7 @@
 """Page arithmetic of a sparse sequence: modes by prompt length, init / middle / window split."""
 
+import pytest
+
 from rayapp.config import SparseConfig
 from rayapp.sparse.policy import AttentionMode, RetrievalPolicy
 
@@ -13,8 +15,13 @@ def test_mode_follows_prompt_length():
     assert p.mode(1023) is AttentionMode.DENSE
     assert p.mode(1024) is AttentionMode.SPARSE and p.mode(2048) is AttentionMode.SPARSE
     assert p.mode(2049) is AttentionMode.OFFLOAD
-    off = RetrievalPolicy(SparseConfig(enabled=False), block_size=16)
+    off = RetrievalPolicy(SparseConfig(enabled=False).for_context(131072), block_size=16)
     assert off.mode(10**6) is AttentionMode.DENSE
+
+
+def test_the_policy_needs_the_counts_scaled_to_a_context():
+    with pytest.raises(ValueError, match="for_context"):
+        RetrievalPolicy(SparseConfig(enabled=True), block_size=16)
 
 
 def test_local_window_is_rounded_up_to_whole_pages():

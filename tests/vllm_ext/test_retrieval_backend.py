@@ -32,7 +32,13 @@ from rayapp.vllm_ext.retrieval_plan import RowPlanner  # noqa: E402
 HQ, H, D, BS = 9, 3, 64, 32  # the shipped SmolLM2's heads
 SCALE = D**-0.5
 CONFIG = SparseConfig(
-    enabled=True, init_tokens=32, local_tokens=64, retrieval_block_size=64, dense_boundary=256, topk_percent=0.3
+    enabled=True,
+    init_tokens=32,
+    local_tokens=64,
+    retrieval_block_size=64,
+    dense_boundary=256,
+    topk_percent=0.3,
+    offload_boundary=1 << 20,
 )
 SETTINGS = json.dumps({k: getattr(CONFIG, k) for k in (
     "init_tokens", "local_tokens", "retrieval_block_size", "dense_boundary", "topk_percent")})  # fmt: skip

@@ -163,9 +163,11 @@ def test_a_replica_with_vllm_plugins_unset_names_every_installed_plugin_and_retr
 def test_settings_are_the_seed_environment_checked_as_rayapps():
     env = {"VLLM_RETRIEVAL_INIT_TOKENS_NUM": "512", "VLLM_RETRIEVAL_TOPK_PERCENT": "0.1"}
     config = retrieval_config(env)
-    assert (config.init_tokens, config.topk_percent, config.local_tokens) == (512, 0.1, 7192)
+    assert (config.init_tokens, config.topk_percent, config.local_tokens) == (512, 0.1, None)
+    # The counts left unset scale with the engine's context: the seed's own values at 128K, a quarter at 32K.
+    assert config.for_context(131072).local_tokens == 7192 and config.for_context(32768).dense_boundary == 8192
     with pytest.raises(ValueError, match=r"init_tokens \+ local_tokens .* must be below dense_boundary"):
-        retrieval_config({"VLLM_RETRIEVAL_DENSE_BOUNDARY": "4096"})
+        retrieval_config({"VLLM_RETRIEVAL_DENSE_BOUNDARY": "4096"}).for_context(131072)
     with pytest.raises(ValueError, match="retrieval_stride=4 needs rayapp's engine"):
         retrieval_config({SETTINGS_ENV: json.dumps({"retrieval_stride": 4})})
     with pytest.raises(ValueError, match="VLLM_RETRIEVAL_TOPK_PERCENT='lots'"):
