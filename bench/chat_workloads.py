@@ -94,6 +94,14 @@ class Workload:
     max_model_len: int = 4096  # the context the anchor's vLLM is started with
 
 
+def _long_documents(name: str, replicas: int, documents: int, users: int, tokens: int) -> Workload:
+    """Users sharing long documents: 3 turns of 16-token answers each, the anchor started with a 32K context."""
+    return Workload(
+        name, replicas, documents * users, turns=3, max_tokens=16, context_tokens=tokens, source="documents",
+        users=users, max_model_len=32768,
+    )  # fmt: skip
+
+
 WORKLOADS = {
     "1x": Workload("1x", replicas=1, conversations=8, turns=6, max_tokens=64),
     "2x": Workload("2x", replicas=2, conversations=16, turns=6, max_tokens=32, context_tokens=400),
@@ -104,40 +112,11 @@ WORKLOADS = {
     "sharegpt-2x": Workload(
         "sharegpt-2x", replicas=2, conversations=16, turns=4, max_tokens=128, source="sharegpt", prompt_budget=3072
     ),
-    # Long documents (serve Qwen2.5-Coder-0.5B, 32K): one ~28K-token document, 4 users, 3 questions each.
-    "longdoc": Workload(
-        "longdoc",
-        replicas=1,
-        conversations=4,
-        turns=3,
-        max_tokens=16,
-        context_tokens=28000,
-        source="documents",
-        users=4,
-        max_model_len=32768,
-    ),  # fmt: skip
-    "longdoc-16k": Workload(
-        "longdoc-16k",
-        replicas=1,
-        conversations=4,
-        turns=3,
-        max_tokens=16,
-        context_tokens=16000,
-        source="documents",
-        users=4,
-        max_model_len=32768,
-    ),  # fmt: skip
-    "longdoc-2x": Workload(
-        "longdoc-2x",
-        replicas=2,
-        conversations=6,
-        turns=3,
-        max_tokens=16,
-        context_tokens=28000,
-        source="documents",
-        users=3,
-        max_model_len=32768,
-    ),  # fmt: skip
+    # Long documents (serve Qwen2.5-Coder-0.5B, 32K): one ~28K- or ~16K-token document, 4 users, 3 questions each;
+    # at two replicas, two documents of 3 users.
+    "longdoc": _long_documents("longdoc", replicas=1, documents=1, users=4, tokens=28000),
+    "longdoc-16k": _long_documents("longdoc-16k", replicas=1, documents=1, users=4, tokens=16000),
+    "longdoc-2x": _long_documents("longdoc-2x", replicas=2, documents=2, users=3, tokens=28000),
 }
 
 
