@@ -90,8 +90,7 @@ SPARSE_ENV = {
 }
 
 
-# The vllm-ascend RetrievalKV plugin's defaults, made for models of `REFERENCE_CONTEXT` tokens of context. A
-# field left None takes its value here scaled to the engine's context length (`SparseConfig.for_context`).
+# The vllm-ascend RetrievalKV plugin's defaults, for 128K-context models; scaled by `SparseConfig.for_context`.
 REFERENCE_CONTEXT = 131072
 RETRIEVALKV_DEFAULTS = {"init_tokens": 1024, "local_tokens": 7192, "dense_boundary": 32768, "offload_boundary": 65536}
 
@@ -107,9 +106,8 @@ class SparseConfig:
     are copied back into a device block cache of `device_cache_blocks` retrieval blocks per layer
     (unset: sized for the offloaded sequences that fit on the device at once).
 
-    Those four token counts, left None, scale with the model's context (`for_context`): a 128K model
-    gets the RetrievalKV plugin's 1024 / 7192 / 32768 / 65536, a 32K model a quarter of each, so
-    sparse retrieval starts at a quarter of any model's context and offload at half of it.
+    Those four token counts, left None, scale with the context (`for_context`): sparse from a quarter
+    of it, offload from half (the RetrievalKV plugin's values at 128K and beyond).
     """
 
     enabled: bool = False
@@ -141,12 +139,9 @@ class SparseConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dense_layers", tuple(int(x) for x in self.dense_layers))
         errors = []
-        for name in ("init_tokens", "local_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                errors.append(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("dense_boundary", "offload_boundary"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                errors.append(f"{name}={getattr(self, name)} must be >= 1")
+        for name, least in (("init_tokens", 0), ("local_tokens", 0), ("dense_boundary", 1), ("offload_boundary", 1)):
+            if getattr(self, name) is not None and getattr(self, name) < least:
+                errors.append(f"{name}={getattr(self, name)} must be >= {least}")
         for name in (
             "retrieval_block_size",
             "retrieval_stride",
@@ -197,15 +192,12 @@ class SparseConfig:
             if getattr(self, name) is None
         }
         if "offload_boundary" in scaled:  # a dense boundary set above the scaled offload one moves it up
-            scaled["offload_boundary"] = max(
-                scaled["offload_boundary"], scaled.get("dense_boundary", self.dense_boundary)
-            )
+            dense = scaled.get("dense_boundary", self.dense_boundary)
+            scaled["offload_boundary"] = max(scaled["offload_boundary"], dense)
         try:
             return dataclasses.replace(self, **scaled)
         except ValueError as error:
-            raise ValueError(
-                f"{error} (for a context of {context_len} tokens, unset fields scaled: {scaled})"
-            ) from None
+            raise ValueError(f"{error} (for a context of {context_len} tokens, scaled: {scaled})") from None
 
     def vllm_plugin_errors(self, block_size: int | None = None) -> list[str]:
         """What these settings ask of the vLLM `retrieval` plugin that it cannot do (empty: nothing), with
