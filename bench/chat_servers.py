@@ -97,9 +97,16 @@ def _rayapp_spec(name: str, port: int, work_dir: Path, workload: Workload, args:
     return ServerSpec(name, command, REPO, RAYAPP_VENV, port, env)
 
 
+def _anchor_app(venv: Path, port: int, args: argparse.Namespace, workload: Workload) -> list[str]:
+    """`bench/anchor_app.py`'s command up to its router and builder, run by `venv`'s python."""
+    return [
+        str(venv / "bin/python"), str(ANCHOR_APP), str(port), str(args.model_dir), args.served,
+        str(workload.max_model_len), str(workload.replicas),
+    ]  # fmt: skip
+
+
 def _anchor_spec(name: str, port: int, args: argparse.Namespace, work_dir: Path, workload: Workload) -> ServerSpec:
-    command = [str(args.anchor_venv / "bin/python"), str(ANCHOR_APP), str(port), str(args.model_dir), args.served]
-    command.append(str(workload.max_model_len))
+    command = _anchor_app(args.anchor_venv, port, args, workload)
     # Direct streaming makes the LLM server the ingress itself; Serve needs its HAProxy ingress for that.
     env = (
         {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
@@ -107,19 +114,16 @@ def _anchor_spec(name: str, port: int, args: argparse.Namespace, work_dir: Path,
         else {}
     )
     return ServerSpec(
-        name, [*command, str(workload.replicas), ANCHOR_ROUTERS[name], RAY_BUILDER], work_dir, args.anchor_venv,
+        name, [*command, ANCHOR_ROUTERS[name], RAY_BUILDER], work_dir, args.anchor_venv,
         port, env,
     )  # fmt: skip
 
 
 def _ray_llm_spec(port: int, args: argparse.Namespace, work_dir: Path, workload: Workload) -> ServerSpec:
     """The anchor's config served by rayapp's builder, in rayapp's venv."""
-    command = [str(RAYAPP_VENV / "bin/python"), str(ANCHOR_APP), str(port), str(args.model_dir), args.served]
-    command.append(str(workload.max_model_len))
+    command = _anchor_app(RAYAPP_VENV, port, args, workload)
     env = {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if args.haproxy else {}
-    return ServerSpec(
-        "rayapp-ray-llm", [*command, str(workload.replicas), "", RAYAPP_BUILDER], work_dir, RAYAPP_VENV, port, env
-    )
+    return ServerSpec("rayapp-ray-llm", [*command, "", RAYAPP_BUILDER], work_dir, RAYAPP_VENV, port, env)
 
 
 def start_server(spec: ServerSpec, tag: str, log: IO[bytes]) -> subprocess.Popen:
