@@ -167,7 +167,9 @@ async def run_workload(stream_turn: TurnFn, scripts: list[Script], page: int) ->
     """Every conversation at once through `stream_turn` (those of a group once its first has its first answer),
     timed and summarized (pages of `page`)."""
     opened = {s.group: asyncio.Event() for s in scripts if s.group is not None}
-    leaders = {s.group: i for i, s in reversed(list(enumerate(scripts))) if s.group is not None}
+    leaders: dict[int | None, int] = {}  # each group's first conversation
+    for i, s in enumerate(scripts):
+        leaders.setdefault(s.group, i)
     start = time.perf_counter()
     per_conversation = await asyncio.gather(*(
         run_conversation(stream_turn, s, opened.get(s.group), leaders.get(s.group) == i) for i, s in enumerate(scripts)
